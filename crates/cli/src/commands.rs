@@ -1,0 +1,406 @@
+//! The subcommands and their arguments.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use shoal_engine::{BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams};
+use shoal_store::{Resolved, Store, builtin_cards};
+use shoal_tokenizer::ChatMessage;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "shoal",
+    version,
+    about = "Serve large language models across the machines you own"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log filter (tracing syntax, e.g. `info` or `shoal_engine=debug`); SHOAL_LOG overrides.
+    #[arg(long, global = true, default_value = "warn")]
+    pub log: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Answer a prompt (or chat with -i) on this machine.
+    Run(RunArgs),
+    /// Install a known model into the store.
+    Pull { name: String },
+    /// List known and installed models.
+    Models {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure prompt and generation speed.
+    Bench(BenchArgs),
+    /// Score a text file: perplexity and the arg-max prediction at every position.
+    Perplexity(PerplexityArgs),
+    /// Print the token ids of a text.
+    Tokenize {
+        #[command(flatten)]
+        model: ModelArgs,
+        text: String,
+    },
+}
+
+#[derive(Args, Debug)]
+struct ModelArgs {
+    /// A known model name (see `shoal models`), a GGUF file or a Hugging Face directory.
+    #[arg(long, short = 'm', default_value = "smollm2-135m")]
+    model: String,
+    /// Context length to serve (default: the model's, at most 8192).
+    #[arg(long)]
+    ctx: Option<usize>,
+    /// Compute threads (default: every core).
+    #[arg(long, short = 't')]
+    threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Interactive chat: read a message per line from stdin.
+    #[arg(short = 'i', long)]
+    interactive: bool,
+    /// The prompt (a user message, rendered with the model's chat template).
+    prompt: Option<String>,
+    /// A system message before the prompt.
+    #[arg(long)]
+    system: Option<String>,
+    /// Send the prompt as raw text, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    #[arg(long, short = 'n', default_value_t = 256)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// 0 keeps all.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    #[arg(long, default_value_t = 64)]
+    repeat_last_n: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this text appears (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Prompt tokens per forward pass.
+    #[arg(long, default_value_t = 256)]
+    prefill_chunk: usize,
+    /// Print timing to stderr at the end.
+    #[arg(long)]
+    stats: bool,
+}
+
+#[derive(Args, Debug)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Benchmark this machine alone (the cluster benchmark comes with the cluster).
+    #[arg(long)]
+    local: bool,
+    #[arg(long, default_value_t = 512)]
+    pp: usize,
+    #[arg(long, default_value_t = 128)]
+    tg: usize,
+    #[arg(long, short = 'r', default_value_t = 3)]
+    repeat: usize,
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
+struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    file: PathBuf,
+    /// Tokens per scoring window (each starts from an empty cache).
+    #[arg(long, default_value_t = 512)]
+    window: usize,
+    /// Positions per forward pass.
+    #[arg(long, default_value_t = 128)]
+    chunk: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Run(args) => run_prompt(args),
+        Command::Pull { name } => pull(&name),
+        Command::Models { json } => models(json),
+        Command::Bench(args) => bench(args),
+        Command::Perplexity(args) => perplexity(args),
+        Command::Tokenize { model, text } => {
+            let engine = load(&model)?;
+            let ids = engine.tokenizer().encode(&text, false)?;
+            println!("{}", serde_json::to_string(&ids)?);
+            Ok(())
+        }
+    }
+}
+
+fn set_threads(threads: Option<usize>) {
+    let n = threads
+        .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+        .unwrap_or(1)
+        .max(1);
+    // SAFETY: called once at start-up, before any thread that reads the environment.
+    unsafe {
+        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+fn load(args: &ModelArgs) -> Result<Engine> {
+    set_threads(args.threads);
+    let store = Store::from_env();
+    let path = store.resolve_or_pull(&args.model)?;
+    let options = LoadOptions {
+        context_length: args.ctx,
+    };
+    Engine::load(&path, &options).with_context(|| format!("cannot load {}", path.display()))
+}
+
+fn run_prompt(args: RunArgs) -> Result<()> {
+    if !args.interactive && args.prompt.is_none() {
+        bail!("give a prompt, or -i for an interactive chat");
+    }
+    let engine = load(&args.model)?;
+    let params = GenerateParams {
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            repetition_penalty: args.repeat_penalty,
+            repeat_last_n: args.repeat_last_n,
+            seed: args.seed,
+        },
+        prefill_chunk: args.prefill_chunk,
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage::new("system", system.clone()));
+    }
+    if !args.interactive {
+        let prompt = args.prompt.unwrap_or_default();
+        let ids = if args.raw {
+            engine.raw_prompt(&prompt)?
+        } else {
+            messages.push(ChatMessage::new("user", prompt));
+            engine.chat_prompt(&messages)?
+        };
+        answer(&engine, &ids, &params, args.stats)?;
+        return Ok(());
+    }
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.is_empty() {
+            continue;
+        }
+        messages.push(ChatMessage::new("user", line));
+        let ids = engine.chat_prompt(&messages)?;
+        match answer(&engine, &ids, &params, args.stats) {
+            Ok(text) => messages.push(ChatMessage::new("assistant", text)),
+            Err(e) => {
+                // The conversation goes on; the failed turn is dropped.
+                eprintln!("error: {e:#}");
+                messages.pop();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Streams one answer to stdout; returns its text.
+fn answer(engine: &Engine, ids: &[u32], params: &GenerateParams, stats: bool) -> Result<String> {
+    let mut out = std::io::stdout().lock();
+    let generation = engine.generate(ids, params, &mut |piece| {
+        out.write_all(piece.as_bytes())
+            .and_then(|_| out.flush())
+            .is_ok()
+    })?;
+    let _ = writeln!(out);
+    if stats {
+        let n = generation.tokens.len();
+        eprintln!(
+            "prompt {} tokens in {:.2}s ({:.1} tok/s); answer {} tokens in {:.2}s ({:.1} tok/s); {:?}",
+            generation.prompt_tokens,
+            generation.prefill_secs,
+            generation.prompt_tokens as f64 / generation.prefill_secs.max(1e-9),
+            n,
+            generation.decode_secs,
+            n as f64 / generation.decode_secs.max(1e-9),
+            generation.finish_reason,
+        );
+    }
+    Ok(generation.text)
+}
+
+fn pull(name: &str) -> Result<()> {
+    let store = Store::from_env();
+    match store.resolve(name)? {
+        Resolved::Path(p) => bail!("{} is a path, not a model name", p.display()),
+        Resolved::Installed(_, path) => println!("{name} is installed at {}", path.display()),
+        Resolved::Missing(card) => {
+            let path = store.pull(&card)?;
+            println!("{name} installed at {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+fn models(json: bool) -> Result<()> {
+    let store = Store::from_env();
+    let rows: Vec<serde_json::Value> = builtin_cards()
+        .into_iter()
+        .map(|card| {
+            let installed = store.is_installed(&card);
+            serde_json::json!({
+                "name": card.name,
+                "architecture": card.architecture,
+                "parameters": card.parameters,
+                "size": card.size,
+                "installed": installed,
+                "path": installed.then(|| store.model_path(&card)),
+                "description": card.description,
+            })
+        })
+        .collect();
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "{:<22} {:<7} {:>6} {:>9}  {:<10} description",
+        "name", "arch", "params", "size", "installed"
+    );
+    for r in &rows {
+        println!(
+            "{:<22} {:<7} {:>6} {:>6} MB  {:<10} {}",
+            r["name"].as_str().unwrap_or(""),
+            r["architecture"].as_str().unwrap_or(""),
+            r["parameters"].as_str().unwrap_or(""),
+            r["size"].as_u64().unwrap_or(0) / 1_000_000,
+            if r["installed"].as_bool().unwrap_or(false) {
+                "yes"
+            } else {
+                "no"
+            },
+            r["description"].as_str().unwrap_or(""),
+        );
+    }
+    println!("store: {}", store.home().display());
+    Ok(())
+}
+
+fn bar(len: u64, msg: &str) -> ProgressBar {
+    let bar = ProgressBar::new(len).with_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(msg.to_string());
+    bar
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    if !args.local {
+        bail!("only `shoal bench --local` exists so far: the cluster benchmark needs `shoal node`");
+    }
+    let engine = load(&args.model)?;
+    let config = BenchConfig {
+        pp: args.pp,
+        tg: args.tg,
+        repeat: args.repeat.max(1),
+        prefill_chunk: args.prefill_chunk,
+    };
+    let progress = bar(0, "bench");
+    let report = engine.bench(&config, &mut |done, total| {
+        progress.set_length(total as u64);
+        progress.set_position(done as u64);
+    })?;
+    progress.finish_and_clear();
+    let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_default();
+    if args.json {
+        let v = serde_json::json!({
+            "model": args.model.model,
+            "threads": threads.parse::<usize>().ok(),
+            "pp": report.pp,
+            "tg": report.tg,
+            "repeat": report.repeat,
+            "prompt_tps": report.prompt.median,
+            "generation_tps": report.generation.median,
+            "prompt": report.prompt,
+            "generation": report.generation,
+            "peak_rss_bytes": report.peak_rss_bytes,
+        });
+        println!("{v}");
+        return Ok(());
+    }
+    println!("model {} threads {threads}", args.model.model);
+    println!(
+        "{:<12} {:>10} {:>10} {:>10}",
+        "test", "median", "min", "max"
+    );
+    let row = |name: String, s: &shoal_engine::Stats| {
+        println!(
+            "{name:<12} {:>10.1} {:>10.1} {:>10.1}",
+            s.median, s.min, s.max
+        );
+    };
+    row(format!("pp{}", report.pp), &report.prompt);
+    row(format!("tg{}", report.tg), &report.generation);
+    println!(
+        "tokens/s over {} runs; peak RSS {:.1} MiB",
+        report.repeat,
+        report.peak_rss_bytes as f64 / (1 << 20) as f64
+    );
+    Ok(())
+}
+
+fn perplexity(args: PerplexityArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let engine = load(&args.model)?;
+    let progress = bar(0, "scoring");
+    let result = engine.perplexity(&text, args.window, args.chunk, &mut |done, total| {
+        progress.set_length(total as u64);
+        progress.set_position(done as u64);
+    })?;
+    progress.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string(&result)?);
+    } else {
+        println!(
+            "tokens {} perplexity {:.4}",
+            result.tokens.len(),
+            result.ppl
+        );
+    }
+    Ok(())
+}

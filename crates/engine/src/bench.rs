@@ -1,0 +1,129 @@
+//! The local benchmark: prompt processing and generation speed, llama-bench style.
+
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampling::argmax;
+use crate::{Engine, Result};
+
+/// What to measure.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BenchConfig {
+    /// Prompt tokens per prefill run.
+    pub pp: usize,
+    /// Tokens per generation run.
+    pub tg: usize,
+    pub repeat: usize,
+    pub prefill_chunk: usize,
+}
+
+/// Median, min and max of repeated measurements.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Stats {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub samples: Vec<f64>,
+}
+
+impl Stats {
+    pub fn of(mut samples: Vec<f64>) -> Self {
+        if samples.is_empty() {
+            return Self::default();
+        }
+        samples.sort_by(f64::total_cmp);
+        let n = samples.len();
+        let median = if n % 2 == 1 {
+            samples[n / 2]
+        } else {
+            (samples[n / 2 - 1] + samples[n / 2]) / 2.0
+        };
+        Self {
+            median,
+            min: samples[0],
+            max: samples[n - 1],
+            samples,
+        }
+    }
+}
+
+/// Benchmark results, tokens per second.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct BenchReport {
+    pub pp: usize,
+    pub tg: usize,
+    pub repeat: usize,
+    pub prompt: Stats,
+    pub generation: Stats,
+    pub peak_rss_bytes: u64,
+}
+
+/// Peak resident memory of this process (VmHWM), 0 where the OS does not say.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+impl Engine {
+    /// Measures prefill of `pp` tokens and generation of `tg` tokens from an empty cache,
+    /// `repeat` times each after one warm-up. `progress` receives (runs done, runs in all).
+    pub fn bench(
+        &self,
+        config: &BenchConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<BenchReport> {
+        let vocab = self.model().config().vocab_size as u64;
+        // Deterministic, spread-out token ids (a real prompt's ids would do as well).
+        let tokens: Vec<u32> = (0..config.pp.max(1) as u64)
+            .map(|i| ((i * 2_654_435_761 + 17) % vocab) as u32)
+            .collect();
+        let total = 2 * (config.repeat + 1);
+        let mut done = 0;
+        let mut prompt = Vec::new();
+        let mut generation = Vec::new();
+        for run in 0..=config.repeat {
+            if config.pp > 0 {
+                let mut cache = self.model().new_cache();
+                let t = Instant::now();
+                self.prefill(&tokens, &mut cache, config.prefill_chunk)?;
+                let secs = t.elapsed().as_secs_f64();
+                if run > 0 {
+                    prompt.push(config.pp as f64 / secs);
+                }
+            }
+            done += 1;
+            progress(done, total);
+            if config.tg > 0 {
+                let mut cache = self.model().new_cache();
+                let mut next = tokens[0];
+                let t = Instant::now();
+                for _ in 0..config.tg {
+                    let logits = self.model().forward(&[next], &mut cache, false)?;
+                    next = argmax(&logits.squeeze(0)?.to_vec1::<f32>()?);
+                }
+                let secs = t.elapsed().as_secs_f64();
+                if run > 0 {
+                    generation.push(config.tg as f64 / secs);
+                }
+            }
+            done += 1;
+            progress(done, total);
+        }
+        Ok(BenchReport {
+            pp: config.pp,
+            tg: config.tg,
+            repeat: config.repeat,
+            prompt: Stats::of(prompt),
+            generation: Stats::of(generation),
+            peak_rss_bytes: peak_rss_bytes(),
+        })
+    }
+}

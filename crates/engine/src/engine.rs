@@ -1,0 +1,206 @@
+//! Generation: chunked prefill, the decode loop, and its stop conditions.
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+use shoal_model::{KvCache, Model};
+use shoal_tokenizer::{ChatMessage, Tokenizer};
+
+use crate::{EngineError, Result, Sampler, SamplingParams, StopMatcher};
+
+/// What to generate and when to stop.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct GenerateParams {
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub sampling: SamplingParams,
+    /// The most prompt tokens one forward pass takes (bounds prefill memory).
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            max_tokens: 256,
+            stop: Vec::new(),
+            sampling: SamplingParams::default(),
+            prefill_chunk: 256,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-turn token or a stop string.
+    Stop,
+    /// `max_tokens`, or the context is full.
+    Length,
+    /// The caller stopped listening.
+    Cancelled,
+}
+
+/// The outcome of one generation.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Generation {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub prompt_tokens: usize,
+    pub finish_reason: FinishReason,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+}
+
+/// A model with its tokenizer, ready to generate.
+pub struct Engine {
+    model: Model,
+    tokenizer: Tokenizer,
+}
+
+impl Engine {
+    pub fn new(model: Model, tokenizer: Tokenizer) -> Self {
+        Self { model, tokenizer }
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The most positions (prompt and answer) a sequence may use.
+    pub fn context_length(&self) -> usize {
+        self.model.max_len()
+    }
+
+    /// Renders a conversation with the model's chat template and tokenizes it.
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.tokenizer.chat_template().render(messages, true)?;
+        self.text_prompt_with_template_bos(&text)
+    }
+
+    fn text_prompt_with_template_bos(&self, text: &str) -> Result<Vec<u32>> {
+        let ids = self.tokenizer.encode(text, false)?;
+        // Templates that write BOS themselves must not get a second one.
+        let starts_with_bos =
+            ids.first().is_some() && ids.first() == self.tokenizer.bos_id().as_ref();
+        if self.tokenizer.add_bos() && !starts_with_bos {
+            let mut with = Vec::with_capacity(ids.len() + 1);
+            with.extend(self.tokenizer.bos_id());
+            with.extend(ids);
+            return Ok(with);
+        }
+        Ok(ids)
+    }
+
+    /// Tokenizes raw text as a prompt (no template; the model's BOS rule).
+    pub fn raw_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        self.text_prompt_with_template_bos(text)
+    }
+
+    /// Refuses prompts the context cannot hold.
+    pub fn check_prompt(&self, prompt: &[u32]) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if prompt.len() > self.context_length() {
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                context: self.context_length(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` through the model in chunks of at most `chunk` positions, appending
+    /// to `cache`; returns the logits `(1, vocab)` after the last token.
+    pub fn prefill(&self, tokens: &[u32], cache: &mut KvCache, chunk: usize) -> Result<Tensor> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let chunk = chunk.max(1);
+        let mut logits = None;
+        for (i, piece) in tokens.chunks(chunk).enumerate() {
+            let _span =
+                tracing::debug_span!("prefill_chunk", index = i, tokens = piece.len()).entered();
+            let last = (i + 1) * chunk >= tokens.len();
+            if last {
+                logits = Some(self.model.forward(piece, cache, false)?);
+            } else {
+                let h = self.model.embed(piece)?;
+                self.model.forward_layers(h, cache)?;
+            }
+        }
+        logits.ok_or(EngineError::EmptyPrompt)
+    }
+
+    /// Generates a continuation of `prompt`, handing each piece of text to `on_text` as
+    /// soon as it is final; `on_text` returns false to cancel.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation> {
+        self.check_prompt(prompt)?;
+        let mut cache = self.model.new_cache();
+        let mut sampler = Sampler::new(params.sampling.clone());
+        let mut stops = StopMatcher::new(&params.stop);
+        let mut stream = self.tokenizer.stream();
+        let mut history = prompt.to_vec();
+        let mut generated = Vec::new();
+        let mut text = String::new();
+        let started = Instant::now();
+        let mut logits = self.prefill(prompt, &mut cache, params.prefill_chunk)?;
+        let prefill_secs = started.elapsed().as_secs_f64();
+        let decode_started = Instant::now();
+        let budget = params
+            .max_tokens
+            .min(self.context_length().saturating_sub(prompt.len()));
+        let mut finish = FinishReason::Length;
+        let mut emit = |piece: &str, text: &mut String| -> bool {
+            text.push_str(piece);
+            piece.is_empty() || on_text(piece)
+        };
+        while generated.len() < budget {
+            let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
+            let next = sampler.sample(&mut row, &history);
+            if self.tokenizer.stop_ids().contains(&next) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            generated.push(next);
+            history.push(next);
+            let piece = stream.push(next)?;
+            let (shown, stopped) = stops.push(&piece);
+            if !emit(&shown, &mut text) {
+                finish = FinishReason::Cancelled;
+                break;
+            }
+            if stopped {
+                finish = FinishReason::Stop;
+                break;
+            }
+            if generated.len() == budget {
+                break;
+            }
+            logits = self.model.forward(&[next], &mut cache, false)?;
+        }
+        if finish != FinishReason::Stop {
+            let rest = stops.flush();
+            emit(&rest, &mut text);
+        }
+        Ok(Generation {
+            text,
+            tokens: generated,
+            prompt_tokens: prompt.len(),
+            finish_reason: finish,
+            prefill_secs,
+            decode_secs: decode_started.elapsed().as_secs_f64(),
+        })
+    }
+}

@@ -1,0 +1,240 @@
+//! Choosing the next token from logits: greedy, or temperature with top-k, top-p and
+//! min-p, after a repetition penalty; seeded so a run can be repeated.
+
+use serde::{Deserialize, Serialize};
+
+/// Sampling settings; the defaults are greedy decoding.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 keeps all.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches p; 1 keeps all.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 keeps all.
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of recent tokens by this; 1 is off.
+    pub repetition_penalty: f32,
+    /// How many recent tokens the repetition penalty looks at.
+    pub repeat_last_n: usize,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
+    }
+}
+
+/// SplitMix64: small, fast, and the same sequence on every platform and version.
+#[derive(Clone, Debug)]
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// A sampler for one sequence.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: SplitMix64,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = SplitMix64(params.seed);
+        Self { params, rng }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token. `history` is the sequence so far (for the repetition
+    /// penalty); `logits` may be modified.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+            let start = history.len().saturating_sub(p.repeat_last_n);
+            let mut seen = history[start..].to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for id in seen {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        let mut cands: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        if cands.is_empty() {
+            return argmax(logits);
+        }
+        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
+        if p.top_k > 0 && p.top_k < cands.len() {
+            cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            cands.truncate(p.top_k);
+        }
+        cands.sort_unstable_by(by_logit_desc);
+        // Probabilities at temperature 1 decide top-p and min-p, as llama.cpp does.
+        let probs = softmax(&cands, 1.0);
+        let mut keep = cands.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, pr) in probs.iter().enumerate() {
+                acc += pr;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
+        }
+        cands.truncate(keep.max(1));
+        let probs = softmax(&cands, p.temperature);
+        let r = self.rng.next_f32();
+        let mut acc = 0.0;
+        for (c, pr) in cands.iter().zip(&probs) {
+            acc += pr;
+            if r < acc {
+                return c.0;
+            }
+        }
+        cands[cands.len() - 1].0
+    }
+}
+
+/// Index of the largest logit (the first one on ties).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn softmax(cands: &[(u32, f32)], temperature: f32) -> Vec<f32> {
+    let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = cands
+        .iter()
+        .map(|c| ((c.1 - max) / temperature).exp())
+        .collect();
+    let sum: f32 = exps.iter().sum();
+    exps.into_iter().map(|e| e / sum).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    #[test]
+    fn greedy_picks_the_largest_logit() {
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[]), 1);
+    }
+
+    #[test]
+    fn repetition_penalty_can_change_the_greedy_choice() {
+        let mut s = Sampler::new(params(|p| p.repetition_penalty = 2.0));
+        // 3.0 / 2 = 1.5 < 2.9
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[1]), 3);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_whatever_the_temperature() {
+        let mut s = Sampler::new(params(|p| {
+            p.temperature = 5.0;
+            p.top_k = 1;
+        }));
+        for seed in 0..50 {
+            s.rng = SplitMix64(seed);
+            assert_eq!(s.sample(&mut [0.0, 1.0, 0.5, 0.99], &[]), 1);
+        }
+    }
+
+    #[test]
+    fn min_p_removes_unlikely_tokens() {
+        let mut s = Sampler::new(params(|p| {
+            p.temperature = 1.0;
+            p.min_p = 0.5;
+        }));
+        // p(0) ≈ 0.84, p(1) ≈ 0.11 < 0.5·0.84: only token 0 survives.
+        for _ in 0..100 {
+            assert_eq!(s.sample(&mut [4.0, 2.0, 0.0], &[]), 0);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus() {
+        let mut s = Sampler::new(params(|p| {
+            p.temperature = 1.0;
+            p.top_p = 0.5;
+        }));
+        for _ in 0..100 {
+            assert_eq!(s.sample(&mut [1.0, 3.0, 0.0], &[]), 1);
+        }
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution_and_the_seed() {
+        let p = params(|p| {
+            p.temperature = 1.0;
+            p.seed = 7;
+        });
+        let logits = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
+        let mut s = Sampler::new(p.clone());
+        let draws: Vec<u32> = (0..4000)
+            .map(|_| s.sample(&mut logits.clone(), &[]))
+            .collect();
+        let ones = draws.iter().filter(|&&d| d == 1).count() as f32 / 4000.0;
+        assert!((ones - 0.75).abs() < 0.03, "share of token 1: {ones}");
+        let mut again = Sampler::new(p);
+        let replay: Vec<u32> = (0..4000)
+            .map(|_| again.sample(&mut logits.clone(), &[]))
+            .collect();
+        assert_eq!(draws, replay, "the same seed gives the same draws");
+    }
+}

@@ -1,0 +1,74 @@
+//! Teacher-forced scoring of a text: perplexity and the arg-max prediction at every
+//! position, as llama.cpp's `llama-perplexity` judges a model.
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampling::argmax;
+use crate::{Engine, EngineError, Result};
+
+/// The score of a text.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Perplexity {
+    /// The text's token ids (with BOS when the model's rule asks for it).
+    pub tokens: Vec<u32>,
+    /// `top1[i]`: the most likely next token after position `i` (one per token but the last).
+    pub top1: Vec<u32>,
+    /// Negative log-likelihood of `tokens[i + 1]` after position `i`.
+    pub nll: Vec<f32>,
+    pub ppl: f64,
+}
+
+impl Engine {
+    /// Scores `text` in windows of `window` tokens (each window starts with an empty
+    /// cache), running at most `chunk` positions per forward pass. `progress` receives
+    /// (positions done, positions in all).
+    pub fn perplexity(
+        &self,
+        text: &str,
+        window: usize,
+        chunk: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Perplexity> {
+        let tokens = self.raw_prompt(text)?;
+        if tokens.len() < 2 {
+            return Err(EngineError::Invalid(
+                "the text must be at least two tokens long to be scored".into(),
+            ));
+        }
+        let window = window.clamp(1, self.context_length());
+        let chunk = chunk.max(1);
+        let mut top1 = Vec::with_capacity(tokens.len() - 1);
+        let mut nll = Vec::with_capacity(tokens.len() - 1);
+        let mut done = 0;
+        for (w, win) in tokens.chunks(window).enumerate() {
+            let mut cache = self.model().new_cache();
+            for (c, piece) in win.chunks(chunk).enumerate() {
+                let logits = self.model().forward(piece, &mut cache, true)?;
+                let rows = logits.to_vec2::<f32>()?;
+                for (j, row) in rows.iter().enumerate() {
+                    let pos = w * window + c * chunk + j;
+                    let Some(&target) = tokens.get(pos + 1) else {
+                        break;
+                    };
+                    top1.push(argmax(row));
+                    nll.push(neg_log_softmax(row, target as usize));
+                }
+                done += piece.len();
+                progress(done, tokens.len());
+            }
+        }
+        let mean = nll.iter().map(|&x| x as f64).sum::<f64>() / nll.len() as f64;
+        Ok(Perplexity {
+            tokens,
+            top1,
+            nll,
+            ppl: mean.exp(),
+        })
+    }
+}
+
+fn neg_log_softmax(row: &[f32], target: usize) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    (sum.ln() - (row[target] - max) as f64) as f32
+}

@@ -1,0 +1,124 @@
+//! End-to-end checks on the real smollm2-135m (installed into the store on first use).
+
+mod common;
+
+use shoal_engine::{EngineError, FinishReason, GenerateParams};
+use shoal_tokenizer::ChatMessage;
+
+#[test]
+fn greedy_answers_and_perplexity_match_the_numpy_reference() {
+    common::check_against_reference(common::smollm2(), "reference-smollm2-135m.json");
+}
+
+#[test]
+fn the_demo_question_is_answered_with_paris() {
+    let engine = common::smollm2();
+    let prompt = engine
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            "What is the capital of France? Answer in one word.",
+        )])
+        .expect("prompt");
+    let params = GenerateParams {
+        max_tokens: 16,
+        ..Default::default()
+    };
+    let out = engine
+        .generate(&prompt, &params, &mut |_| true)
+        .expect("generate");
+    assert!(out.text.contains("Paris"), "answer: {:?}", out.text);
+}
+
+#[test]
+fn chunked_prefill_gives_the_logits_of_one_pass() {
+    let engine = common::smollm2();
+    let text = std::fs::read_to_string(common::fixtures().join("prose.txt")).expect("prose");
+    let tokens = engine.raw_prompt(&text).expect("tokens");
+    let tokens = &tokens[..200];
+    let mut one = engine.model().new_cache();
+    let whole = engine.prefill(tokens, &mut one, 512).expect("one pass");
+    for chunk in [1, 7, 64] {
+        let mut cache = engine.model().new_cache();
+        let chunked = engine.prefill(tokens, &mut cache, chunk).expect("chunked");
+        let diff = (&chunked - &whole)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.max_all())
+            .and_then(|d| d.to_scalar::<f32>())
+            .expect("diff");
+        assert!(diff < 1e-2, "chunk {chunk}: max logit difference {diff}");
+        assert_eq!(cache.len(), tokens.len());
+    }
+}
+
+#[test]
+fn max_tokens_and_stop_strings_end_generation() {
+    let engine = common::smollm2();
+    let prompt = engine
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            "Count from 1 to 20, separated by commas.",
+        )])
+        .expect("prompt");
+    let limited = GenerateParams {
+        max_tokens: 5,
+        ..Default::default()
+    };
+    let out = engine
+        .generate(&prompt, &limited, &mut |_| true)
+        .expect("generate");
+    assert_eq!(out.tokens.len(), 5);
+    assert_eq!(out.finish_reason, FinishReason::Length);
+    let full = GenerateParams {
+        max_tokens: 60,
+        ..Default::default()
+    };
+    let reference = engine
+        .generate(&prompt, &full, &mut |_| true)
+        .expect("generate");
+    assert!(reference.text.contains('5'), "{:?}", reference.text);
+    let stop_at = reference.text.find('5').expect("a 5");
+    let stopped = GenerateParams {
+        max_tokens: 60,
+        stop: vec!["5".into()],
+        ..Default::default()
+    };
+    let mut streamed = String::new();
+    let out = engine
+        .generate(&prompt, &stopped, &mut |piece| {
+            streamed.push_str(piece);
+            true
+        })
+        .expect("generate");
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+    assert_eq!(out.text, reference.text[..stop_at]);
+    assert_eq!(streamed, out.text, "what streamed is what was returned");
+}
+
+#[test]
+fn cancelling_from_the_text_callback_stops_at_once() {
+    let engine = common::smollm2();
+    let prompt = engine.raw_prompt("Once upon a time").expect("prompt");
+    let params = GenerateParams {
+        max_tokens: 100,
+        ..Default::default()
+    };
+    let mut pieces = 0;
+    let out = engine
+        .generate(&prompt, &params, &mut |_| {
+            pieces += 1;
+            pieces < 3
+        })
+        .expect("generate");
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert!(out.tokens.len() < 10, "{} tokens", out.tokens.len());
+}
+
+#[test]
+fn a_prompt_longer_than_the_context_is_refused() {
+    let engine = common::smollm2();
+    let prompt = vec![100u32; engine.context_length() + 1];
+    let err = engine
+        .generate(&prompt, &GenerateParams::default(), &mut |_| true)
+        .expect_err("must refuse");
+    assert!(matches!(err, EngineError::PromptTooLong { .. }), "{err}");
+}

@@ -1,0 +1,123 @@
+//! The KV cache of one sequence, kept outside the layers so the engine owns its lifetime.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::Result;
+
+/// Keys and values of one layer: `(num_kv_heads, capacity, head_dim)`, grown by doubling.
+#[derive(Debug, Clone)]
+struct LayerCache {
+    k: Tensor,
+    v: Tensor,
+}
+
+/// Per-sequence KV cache for a range of layers (a shard holds only its own).
+#[derive(Debug, Clone)]
+pub struct KvCache {
+    layers: Vec<Option<LayerCache>>,
+    first_layer: usize,
+    len: usize,
+    max_len: usize,
+}
+
+impl KvCache {
+    /// A cache for layers `first_layer..first_layer + num_layers` of a model, holding at most
+    /// `max_len` positions.
+    pub fn new(first_layer: usize, num_layers: usize, max_len: usize) -> Self {
+        Self {
+            layers: vec![None; num_layers],
+            first_layer,
+            len: 0,
+            max_len,
+        }
+    }
+
+    /// Positions already stored.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Forgets everything (the buffers are kept for the next sequence).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Drops positions from `len` on (a prefix cache keeps what matches).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Bytes the cache holds now.
+    pub fn size_in_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|l| 2 * l.k.elem_count() * l.k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// Stores `k`, `v` (`(num_kv_heads, t, head_dim)`) of `layer` at the current end and
+    /// returns the full keys and values `(num_kv_heads, len + t, head_dim)`. The sequence
+    /// length advances only through [`KvCache::advance`], once every layer has appended.
+    pub(crate) fn append(
+        &mut self,
+        layer: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (n_kv, t, hd) = k.dims3()?;
+        let needed = self.len + t;
+        if needed > self.max_len {
+            return Err(crate::ModelError::Invalid(format!(
+                "KV cache full: {needed} positions needed, {} allowed",
+                self.max_len
+            )));
+        }
+        let slot = self
+            .layers
+            .get_mut(layer - self.first_layer)
+            .ok_or_else(|| {
+                crate::ModelError::Invalid(format!("layer {layer} is not in this cache"))
+            })?;
+        let capacity = slot.as_ref().map_or(0, |l| l.k.dim(1).unwrap_or(0));
+        if needed > capacity {
+            let new_cap = needed
+                .next_power_of_two()
+                .clamp(64, self.max_len.max(needed));
+            let fresh = LayerCache {
+                k: Tensor::zeros((n_kv, new_cap, hd), DType::F32, &Device::Cpu)?,
+                v: Tensor::zeros((n_kv, new_cap, hd), DType::F32, &Device::Cpu)?,
+            };
+            if let Some(old) = slot.as_ref() {
+                if self.len > 0 {
+                    fresh
+                        .k
+                        .slice_set(&old.k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                    fresh
+                        .v
+                        .slice_set(&old.v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                }
+            }
+            *slot = Some(fresh);
+        }
+        let cache = slot
+            .as_ref()
+            .ok_or_else(|| crate::ModelError::Invalid("KV cache slot was not allocated".into()))?;
+        cache.k.slice_set(&k.contiguous()?, 1, self.len)?;
+        cache.v.slice_set(&v.contiguous()?, 1, self.len)?;
+        Ok((cache.k.narrow(1, 0, needed)?, cache.v.narrow(1, 0, needed)?))
+    }
+
+    /// Marks `t` more positions as stored, after all layers appended them.
+    pub fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+}

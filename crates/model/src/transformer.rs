@@ -1,0 +1,462 @@
+//! The decoder: embedding, a range of decoder layers, and the head, each loadable alone.
+
+use std::ops::Range;
+
+use candle_core::{Device, Tensor};
+
+use crate::{
+    Architecture, KvCache, ModelConfig, ModelError, QLinear, Result, RopeStyle, Weight,
+    WeightSource,
+};
+
+/// Which parts of a model a process holds: the embedding, a contiguous range of decoder
+/// layers, the head. A whole model is `LoadSpec::full(n_layers)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadSpec {
+    pub embed: bool,
+    pub layers: Range<usize>,
+    pub head: bool,
+}
+
+impl LoadSpec {
+    pub fn full(num_layers: usize) -> Self {
+        Self {
+            embed: true,
+            layers: 0..num_layers,
+            head: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            &self.weight,
+            self.eps,
+        )?)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Embedding {
+    Quantized(std::sync::Arc<candle_core::quantized::QTensor>),
+    Dense(Tensor),
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    q: QLinear,
+    k: QLinear,
+    v: QLinear,
+    o: QLinear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    index: usize,
+    attn_norm: RmsNorm,
+    attn: Attention,
+    ffn_norm: RmsNorm,
+    gate: QLinear,
+    up: QLinear,
+    down: QLinear,
+}
+
+#[derive(Debug, Clone)]
+struct Head {
+    norm: RmsNorm,
+    output: QLinear,
+}
+
+/// Rotary position tables: `(max_len, head_dim / 2)`.
+#[derive(Debug, Clone)]
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    style: RopeStyle,
+}
+
+impl Rope {
+    fn new(config: &ModelConfig, max_len: usize) -> Result<Self> {
+        let half = config.head_dim / 2;
+        let inv_freq: Vec<f32> = (0..half)
+            .map(|i| {
+                1.0 / config
+                    .rope_theta
+                    .powf(2.0 * i as f32 / config.head_dim as f32)
+            })
+            .collect();
+        let mut cos = Vec::with_capacity(max_len * half);
+        let mut sin = Vec::with_capacity(max_len * half);
+        for pos in 0..max_len {
+            for f in &inv_freq {
+                let angle = pos as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (max_len, half), &Device::Cpu)?,
+            sin: Tensor::from_vec(sin, (max_len, half), &Device::Cpu)?,
+            style: config.rope_style,
+        })
+    }
+
+    /// `x`: `(heads, t, head_dim)` at positions `pos..pos + t`.
+    fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        let t = x.dim(1)?;
+        let cos = self.cos.narrow(0, pos, t)?;
+        let sin = self.sin.narrow(0, pos, t)?;
+        let x = x.unsqueeze(0)?.contiguous()?;
+        let y = match self.style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
+            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
+        };
+        Ok(y.squeeze(0)?)
+    }
+}
+
+/// A model, or the part of one that a shard holds.
+#[derive(Debug, Clone)]
+pub struct Model {
+    config: ModelConfig,
+    spec: LoadSpec,
+    embedding: Option<Embedding>,
+    layers: Vec<DecoderLayer>,
+    head: Option<Head>,
+    rope: Rope,
+    max_len: usize,
+}
+
+fn require(source: &dyn WeightSource, name: &str) -> Result<Weight> {
+    source
+        .load(name)?
+        .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+}
+
+fn check_shape(name: &str, w: &Weight, expected: &[usize]) -> Result<()> {
+    if w.dims() != expected {
+        return Err(ModelError::Shape {
+            name: name.to_string(),
+            actual: w.dims().to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+fn linear(
+    source: &dyn WeightSource,
+    prefix: &str,
+    out_features: usize,
+    in_features: usize,
+    bias: bool,
+) -> Result<QLinear> {
+    let name = format!("{prefix}.weight");
+    let w = require(source, &name)?;
+    check_shape(&name, &w, &[out_features, in_features])?;
+    let b = if bias {
+        Some(require(source, &format!("{prefix}.bias"))?.to_f32()?)
+    } else {
+        None
+    };
+    QLinear::new(w, b)
+}
+
+fn norm(source: &dyn WeightSource, name: &str, size: usize, eps: f32) -> Result<RmsNorm> {
+    let w = require(source, name)?;
+    check_shape(name, &w, &[size])?;
+    Ok(RmsNorm {
+        weight: w.to_f32()?,
+        eps,
+    })
+}
+
+impl Model {
+    /// Loads the parts of the model that `spec` names, reading only their tensors.
+    /// `max_len` bounds the positions this instance will serve (its context length).
+    pub fn load(source: &dyn WeightSource, spec: LoadSpec, max_len: usize) -> Result<Self> {
+        let config = source.config()?.clone();
+        if spec.layers.end > config.num_layers || spec.layers.start > spec.layers.end {
+            return Err(ModelError::Invalid(format!(
+                "layer range {:?} is outside the model's {} layers",
+                spec.layers, config.num_layers
+            )));
+        }
+        let c = &config;
+        let load_embedding = || -> Result<Embedding> {
+            let w = require(source, "token_embd.weight")?;
+            check_shape("token_embd.weight", &w, &[c.vocab_size, c.hidden_size])?;
+            Ok(match w {
+                Weight::Quantized(q) => Embedding::Quantized(q),
+                Weight::Dense(t) => Embedding::Dense(t),
+            })
+        };
+        let embedding = if spec.embed {
+            Some(load_embedding()?)
+        } else {
+            None
+        };
+        let q_out = c.num_heads * c.head_dim;
+        let kv_out = c.num_kv_heads * c.head_dim;
+        let bias = c.architecture.has_qkv_bias();
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for i in spec.layers.clone() {
+            tracing::trace!(layer = i, "loading decoder layer");
+            let p = format!("blk.{i}");
+            let qk_norm = |n: &str| -> Result<Option<RmsNorm>> {
+                if c.architecture.has_qk_norm() {
+                    Ok(Some(norm(
+                        source,
+                        &format!("{p}.{n}.weight"),
+                        c.head_dim,
+                        c.rms_eps,
+                    )?))
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(DecoderLayer {
+                index: i,
+                attn_norm: norm(
+                    source,
+                    &format!("{p}.attn_norm.weight"),
+                    c.hidden_size,
+                    c.rms_eps,
+                )?,
+                attn: Attention {
+                    q: linear(source, &format!("{p}.attn_q"), q_out, c.hidden_size, bias)?,
+                    k: linear(source, &format!("{p}.attn_k"), kv_out, c.hidden_size, bias)?,
+                    v: linear(source, &format!("{p}.attn_v"), kv_out, c.hidden_size, bias)?,
+                    o: linear(
+                        source,
+                        &format!("{p}.attn_output"),
+                        c.hidden_size,
+                        q_out,
+                        false,
+                    )?,
+                    q_norm: qk_norm("attn_q_norm")?,
+                    k_norm: qk_norm("attn_k_norm")?,
+                },
+                ffn_norm: norm(
+                    source,
+                    &format!("{p}.ffn_norm.weight"),
+                    c.hidden_size,
+                    c.rms_eps,
+                )?,
+                gate: linear(
+                    source,
+                    &format!("{p}.ffn_gate"),
+                    c.ffn_size,
+                    c.hidden_size,
+                    false,
+                )?,
+                up: linear(
+                    source,
+                    &format!("{p}.ffn_up"),
+                    c.ffn_size,
+                    c.hidden_size,
+                    false,
+                )?,
+                down: linear(
+                    source,
+                    &format!("{p}.ffn_down"),
+                    c.hidden_size,
+                    c.ffn_size,
+                    false,
+                )?,
+            });
+        }
+        let head = if spec.head {
+            let output = match source.load("output.weight")? {
+                Some(w) => w,
+                None => require(source, "token_embd.weight")?,
+            };
+            check_shape("output.weight", &output, &[c.vocab_size, c.hidden_size])?;
+            Some(Head {
+                norm: norm(source, "output_norm.weight", c.hidden_size, c.rms_eps)?,
+                output: QLinear::new(output, None)?,
+            })
+        } else {
+            None
+        };
+        let max_len = max_len.max(1);
+        Ok(Self {
+            rope: Rope::new(c, max_len)?,
+            config,
+            spec,
+            embedding,
+            layers,
+            head,
+            max_len,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn spec(&self) -> &LoadSpec {
+        &self.spec
+    }
+
+    /// The most positions a sequence may use.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// A fresh KV cache for the layers this model holds.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.spec.layers.start, self.spec.layers.len(), self.max_len)
+    }
+
+    /// Token ids to hidden states `(t, hidden)`.
+    pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let embedding = self
+            .embedding
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("this shard does not hold the embedding".into()))?;
+        if let Some(bad) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        let ids = Tensor::new(tokens, &Device::Cpu)?;
+        Ok(match embedding {
+            Embedding::Quantized(q) => q.embedding(&ids)?,
+            Embedding::Dense(t) => t.index_select(&ids, 0)?,
+        })
+    }
+
+    /// Runs this model's decoder layers over hidden states `(t, hidden)` of the positions
+    /// `cache.len()..cache.len() + t`, appending their keys and values to `cache`.
+    pub fn forward_layers(&self, hidden: Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let t = hidden.dim(0)?;
+        let pos = cache.len();
+        if pos + t > self.max_len {
+            return Err(ModelError::Invalid(format!(
+                "sequence of {} positions exceeds the context of {}",
+                pos + t,
+                self.max_len
+            )));
+        }
+        let mask = causal_mask(t, pos, self.config.group_size())?;
+        let mut x = hidden;
+        for layer in &self.layers {
+            x = self.layer_forward(layer, &x, cache, pos, mask.as_ref())?;
+        }
+        cache.advance(t);
+        Ok(x)
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        cache: &mut KvCache,
+        pos: usize,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let t = x.dim(0)?;
+        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+        let h = layer.attn_norm.forward(x)?;
+        let a = &layer.attn;
+        // (t, heads * hd) -> (heads, t, hd)
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> {
+            Ok(y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous()?)
+        };
+        let mut q = heads(a.q.forward(&h)?, nh)?;
+        let mut k = heads(a.k.forward(&h)?, nkv)?;
+        let v = heads(a.v.forward(&h)?, nkv)?;
+        if let Some(n) = &a.q_norm {
+            q = n.forward(&q)?;
+        }
+        if let Some(n) = &a.k_norm {
+            k = n.forward(&k)?;
+        }
+        let q = self.rope.apply(&q, pos)?;
+        let k = self.rope.apply(&k, pos)?;
+        let (k_all, v_all) = cache.append(layer.index, &k, &v)?;
+        // Grouped-query attention without copying K/V: the query heads of one KV group
+        // are adjacent, so (nh, t, hd) is (nkv, group * t, hd).
+        let g = c.group_size();
+        let q = q.reshape((nkv, g * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&k_all.t()?)? * scale)?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v_all.contiguous()?)?; // (nkv, g*t, hd)
+        let out = out
+            .reshape((nh, t, hd))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((t, nh * hd))?;
+        let x = (x + a.o.forward(&out)?)?;
+        let h = layer.ffn_norm.forward(&x)?;
+        let ff = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
+        Ok((x + layer.down.forward(&ff)?)?)
+    }
+
+    /// Final norm and logits `(t, vocab)` for hidden states `(t, hidden)`.
+    pub fn head(&self, hidden: &Tensor) -> Result<Tensor> {
+        let head = self
+            .head
+            .as_ref()
+            .ok_or_else(|| ModelError::Invalid("this shard does not hold the head".into()))?;
+        let h = head.norm.forward(hidden)?;
+        head.output.forward(&h)
+    }
+
+    /// Embedding, all layers and head in one call; the logits of the last position only
+    /// when `all_logits` is false.
+    pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, all_logits: bool) -> Result<Tensor> {
+        let h = self.embed(tokens)?;
+        let h = self.forward_layers(h, cache)?;
+        let h = if all_logits {
+            h
+        } else {
+            h.narrow(0, tokens.len() - 1, 1)?
+        };
+        self.head(&h)
+    }
+
+    /// The architecture this model runs.
+    pub fn architecture(&self) -> Architecture {
+        self.config.architecture
+    }
+}
+
+/// Additive causal mask `(group * t, pos + t)` for queries at `pos..pos + t`, laid out as
+/// the grouped attention sees them (row `r` is query position `pos + r % t`); `None` when
+/// a single query sees everything.
+fn causal_mask(t: usize, pos: usize, group: usize) -> Result<Option<Tensor>> {
+    if t <= 1 {
+        return Ok(None);
+    }
+    let s = pos + t;
+    let mut m = vec![0f32; group * t * s];
+    for r in 0..group * t {
+        let qpos = pos + r % t;
+        for slot in &mut m[r * s + qpos + 1..(r + 1) * s] {
+            *slot = f32::NEG_INFINITY;
+        }
+    }
+    Ok(Some(Tensor::from_vec(m, (group * t, s), &Device::Cpu)?))
+}
