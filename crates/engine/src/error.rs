@@ -14,7 +14,13 @@ pub enum EngineError {
     #[error("{0}")]
     Invalid(String),
     #[error("tensor operation failed: {0}")]
-    Candle(#[from] candle_core::Error),
+    Candle(String),
+}
+
+impl From<candle_core::Error> for EngineError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Candle(shoal_model::candle_message(&e))
+    }
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -55,6 +55,8 @@ impl Engine {
             (Box::new(dir), tok)
         } else {
             let file = GgufFile::open(path)?;
+            // The model must be one shoal runs before its tokenizer matters.
+            file.model_config()?;
             let tok = Tokenizer::from_gguf(gguf_vocab(&file))?;
             (Box::new(file), tok)
         };

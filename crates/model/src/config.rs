@@ -80,13 +80,13 @@ impl ModelConfig {
         if self.num_layers == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
             return bad(format!("model has an empty dimension: {self:?}"));
         }
-        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "{} attention heads cannot be grouped over {} KV heads",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head dimension {} must be even", self.head_dim));
         }
         Ok(())

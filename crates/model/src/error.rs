@@ -41,7 +41,24 @@ pub enum ModelError {
     #[error("{0}")]
     Invalid(String),
     #[error("tensor operation failed: {0}")]
-    Candle(#[from] candle_core::Error),
+    Candle(String),
+}
+
+/// The first line of a candle error: candle appends a backtrace when `RUST_BACKTRACE` is
+/// set, which has no place in a one-line error for the user.
+pub fn candle_message(e: &candle_core::Error) -> String {
+    e.to_string()
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
+impl From<candle_core::Error> for ModelError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Candle(candle_message(&e))
+    }
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;

@@ -47,7 +47,7 @@ impl GgufFile {
             return Err(ModelError::NotGguf { path, magic });
         }
         let content = Content::read(&mut Cursor::new(&mmap[..])).map_err(|e| {
-            let message = e.to_string();
+            let message = crate::candle_message(&e);
             match message.strip_prefix("unknown dtype for tensor ") {
                 Some(id) => ModelError::UnsupportedBlockType {
                     path: path.clone(),

@@ -20,7 +20,7 @@ mod weights;
 
 pub use cache::KvCache;
 pub use config::{Architecture, ModelConfig, RopeStyle};
-pub use error::{ModelError, Result};
+pub use error::{ModelError, Result, candle_message};
 pub use gguf::GgufFile;
 pub use linear::QLinear;
 pub use safetensors::SafetensorsDir;

@@ -96,7 +96,7 @@ impl SafetensorsDir {
         let tensors =
             unsafe { MmapedSafetensors::multi(&files) }.map_err(|e| ModelError::Format {
                 path: dir.clone(),
-                message: e.to_string(),
+                message: crate::candle_message(&e),
             })?;
         let names = tensors.tensors().into_iter().map(|(n, _)| n).collect();
         let mut this = Self {

@@ -208,10 +208,8 @@ impl Tokenizer {
     fn end_of_turn_ids(&self, eos_id: Option<u32>) -> Vec<u32> {
         let mut ids: Vec<u32> = eos_id.into_iter().collect();
         for name in END_OF_TURN {
-            if let Some(id) = self.inner.token_to_id(name) {
-                if !ids.contains(&id) {
-                    ids.push(id);
-                }
+            if let Some(id) = self.inner.token_to_id(name).filter(|id| !ids.contains(id)) {
+                ids.push(id);
             }
         }
         ids
