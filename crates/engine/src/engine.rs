@@ -86,8 +86,9 @@ impl Engine {
     fn text_prompt_with_template_bos(&self, text: &str) -> Result<Vec<u32>> {
         let ids = self.tokenizer.encode(text, false)?;
         // Templates that write BOS themselves must not get a second one.
-        let starts_with_bos =
-            ids.first().is_some_and(|first| Some(*first) == self.tokenizer.bos_id());
+        let starts_with_bos = ids
+            .first()
+            .is_some_and(|first| Some(*first) == self.tokenizer.bos_id());
         if self.tokenizer.add_bos() && !starts_with_bos {
             let mut with = Vec::with_capacity(ids.len() + 1);
             with.extend(self.tokenizer.bos_id());
