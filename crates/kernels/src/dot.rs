@@ -1,0 +1,171 @@
+//! The integer dot product of an unpacked weight row with one quantized activation row,
+//! per instruction set.
+
+use crate::blocks::Unpacked;
+
+/// An instruction set the kernels can run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Plain Rust: any CPU.
+    Scalar,
+    /// AVX2 + FMA: `vpmaddubsw` products, f32 accumulation.
+    Avx2,
+    /// AVX-512 VNNI (256-bit forms): `vpdpbusd` products, no 16-bit intermediate.
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// Whether this machine can run `self`.
+    pub fn is_available(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Vnni => {
+                Self::Avx2.is_available()
+                    && is_x86_feature_detected!("avx512vnni")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every instruction set this machine can run, best last.
+    pub fn available() -> Vec<Isa> {
+        [Self::Scalar, Self::Avx2, Self::Avx512Vnni]
+            .into_iter()
+            .filter(|i| i.is_available())
+            .collect()
+    }
+
+    /// The best instruction set of this machine; `SHOAL_KERNEL_ISA=scalar|avx2|avx512vnni`
+    /// forces a lesser one.
+    pub fn detect() -> Isa {
+        let forced = std::env::var("SHOAL_KERNEL_ISA")
+            .ok()
+            .and_then(|v| match v.as_str() {
+                "scalar" => Some(Self::Scalar),
+                "avx2" => Some(Self::Avx2),
+                "avx512vnni" => Some(Self::Avx512Vnni),
+                _ => None,
+            });
+        match forced {
+            Some(isa) if isa.is_available() => isa,
+            _ => Self::available().pop().unwrap_or(Self::Scalar),
+        }
+    }
+}
+
+/// `Σ_h scale_h·d_x·Σ_{i∈h} q_i·x_i` over the 16-weight groups `h` of a row (the bias part
+/// is added by the caller). `xd` holds one scale per 32 activations.
+pub(crate) fn dot(isa: Isa, w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
+    match isa {
+        Isa::Scalar => dot_scalar(w, signed, xq, xd),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers only pass an Isa that `is_available` on this machine.
+        Isa::Avx2 => unsafe { x86::dot_avx2(w, signed, xq, xd) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512Vnni => unsafe { x86::dot_vnni(w, signed, xq, xd) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => dot_scalar(w, signed, xq, xd),
+    }
+}
+
+fn dot_scalar(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
+    let mut acc = 0f32;
+    for (h, (q, x)) in w.q.chunks_exact(16).zip(xq.chunks_exact(16)).enumerate() {
+        let isum: i32 = if signed {
+            q.iter()
+                .zip(x)
+                .map(|(&a, &b)| a as i8 as i32 * b as i32)
+                .sum()
+        } else {
+            q.iter().zip(x).map(|(&a, &b)| a as i32 * b as i32).sum()
+        };
+        acc += w.scale[h] * xd[h / 2] * isum as f32;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use crate::blocks::Unpacked;
+
+    /// Scales of the two halves of group `g`, times the activation scale, as
+    /// `[lo ×4, hi ×4]` to match the lane order of the 32-bit sums.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn group_scale(w: &Unpacked, xd: &[f32], g: usize) -> __m256 {
+        let d = xd[g];
+        _mm256_set_m128(
+            _mm_set1_ps(w.scale[2 * g + 1] * d),
+            _mm_set1_ps(w.scale[2 * g] * d),
+        )
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `xq.len() == w.q.len()`, a multiple of 32.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_avx2(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        let groups = w.q.len() / 32;
+        for g in 0..groups {
+            // SAFETY: g·32 + 32 ≤ len for both slices.
+            let (q, x) = unsafe {
+                (
+                    _mm256_loadu_si256(w.q.as_ptr().add(g * 32) as *const __m256i),
+                    _mm256_loadu_si256(xq.as_ptr().add(g * 32) as *const __m256i),
+                )
+            };
+            let (q, x) = if signed {
+                (_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+            } else {
+                (q, x)
+            };
+            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), group_scale(w, xd, g), acc);
+        }
+        hsum(acc)
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2, FMA, AVX-512 VNNI and VL; lengths as for `dot_avx2`.
+    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
+    pub(super) unsafe fn dot_vnni(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
+        let zero = _mm256_setzero_si256();
+        let mut acc = _mm256_setzero_ps();
+        let groups = w.q.len() / 32;
+        for g in 0..groups {
+            // SAFETY: g·32 + 32 ≤ len for both slices.
+            let (q, x) = unsafe {
+                (
+                    _mm256_loadu_si256(w.q.as_ptr().add(g * 32) as *const __m256i),
+                    _mm256_loadu_si256(xq.as_ptr().add(g * 32) as *const __m256i),
+                )
+            };
+            let (q, x) = if signed {
+                (_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+            } else {
+                (q, x)
+            };
+            let p = _mm256_dpbusd_epi32(zero, q, x);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), group_scale(w, xd, g), acc);
+        }
+        hsum(acc)
+    }
+}

@@ -1,0 +1,185 @@
+//! Quantized weight matrices, quantized activations, and the threaded product.
+
+use std::cell::RefCell;
+
+use crate::blocks::{BlockType, Unpacked, unpack_row};
+use crate::dot::{Isa, dot};
+use crate::{KernelError, ThreadPool};
+
+/// A `(rows, cols)` weight matrix in a GGUF block type, rows stored one after another.
+#[derive(Clone, Debug)]
+pub struct QuantMatrix {
+    ty: BlockType,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl QuantMatrix {
+    pub fn new(
+        ty: BlockType,
+        rows: usize,
+        cols: usize,
+        data: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        if !cols.is_multiple_of(ty.block_size()) {
+            return Err(KernelError::Alignment(cols, ty.block_size()));
+        }
+        let expected = rows * ty.row_bytes(cols);
+        if data.len() != expected {
+            return Err(KernelError::Size {
+                what: "weight bytes",
+                expected,
+                actual: data.len(),
+            });
+        }
+        Ok(Self {
+            ty,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    pub fn block_type(&self) -> BlockType {
+        self.ty
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// The bytes of row `r`.
+    pub fn row(&self, r: usize) -> &[u8] {
+        let n = self.ty.row_bytes(self.cols);
+        &self.data[r * n..(r + 1) * n]
+    }
+
+    /// Row `r` as f32.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        crate::dequantize_row(self.ty, self.row(r), out);
+    }
+}
+
+/// `t` rows of `k` activations quantized to 8 bits in blocks of 32: `x ≈ d·q`.
+#[derive(Clone, Debug)]
+pub struct Activations {
+    t: usize,
+    k: usize,
+    q: Vec<i8>,
+    /// One scale per block of 32.
+    d: Vec<f32>,
+    /// `d · Σ q` per group of 16 (for the weight biases).
+    sum16: Vec<f32>,
+}
+
+impl Activations {
+    /// Quantizes `x` (`t` rows of `k`, `k` a multiple of 32) with round-to-nearest.
+    pub fn quantize(x: &[f32], t: usize, k: usize) -> Result<Self, KernelError> {
+        if !k.is_multiple_of(32) {
+            return Err(KernelError::Alignment(k, 32));
+        }
+        if x.len() != t * k {
+            return Err(KernelError::Size {
+                what: "activations",
+                expected: t * k,
+                actual: x.len(),
+            });
+        }
+        let mut q = vec![0i8; t * k];
+        let mut d = vec![0f32; t * k / 32];
+        let mut sum16 = vec![0f32; t * k / 16];
+        for (b, (xs, qs)) in x.chunks_exact(32).zip(q.chunks_exact_mut(32)).enumerate() {
+            let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            for (o, v) in qs.iter_mut().zip(xs) {
+                *o = (v * inv).round() as i8;
+            }
+            d[b] = scale;
+            for h in 0..2 {
+                let s: i32 = qs[h * 16..h * 16 + 16].iter().map(|&v| v as i32).sum();
+                sum16[2 * b + h] = scale * s as f32;
+            }
+        }
+        Ok(Self { t, k, q, d, sum16 })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.t
+    }
+
+    fn row(&self, i: usize) -> (&[i8], &[f32], &[f32]) {
+        let k = self.k;
+        (
+            &self.q[i * k..(i + 1) * k],
+            &self.d[i * k / 32..(i + 1) * k / 32],
+            &self.sum16[i * k / 16..(i + 1) * k / 16],
+        )
+    }
+}
+
+thread_local! {
+    static ROW: RefCell<Unpacked> = RefCell::new(Unpacked::default());
+}
+
+/// `out (t, rows) = x (t, cols) · wᵀ` with the best instruction set of this machine on the
+/// process-wide thread pool.
+pub fn matmul(w: &QuantMatrix, x: &[f32], t: usize, out: &mut [f32]) -> Result<(), KernelError> {
+    matmul_with(Isa::detect(), ThreadPool::global(), w, x, t, out)
+}
+
+/// [`matmul`] with a chosen instruction set (which must be available) and pool.
+pub fn matmul_with(
+    isa: Isa,
+    pool: &ThreadPool,
+    w: &QuantMatrix,
+    x: &[f32],
+    t: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let isa = if isa.is_available() { isa } else { Isa::Scalar };
+    if out.len() != t * w.rows {
+        return Err(KernelError::Size {
+            what: "output",
+            expected: t * w.rows,
+            actual: out.len(),
+        });
+    }
+    let acts = Activations::quantize(x, t, w.cols)?;
+    let n = w.rows;
+    let threads = pool.size().min(n).max(1);
+    let per = n.div_ceil(threads);
+    let out_addr = out.as_mut_ptr() as usize;
+    let signed = w.ty.signed();
+    pool.run(&|i| {
+        let start = (i * per).min(n);
+        let end = ((i + 1) * per).min(n);
+        ROW.with(|cell| {
+            let mut row = cell.borrow_mut();
+            if row.q.len() != w.cols {
+                *row = Unpacked::with_cols(w.cols);
+            }
+            for r in start..end {
+                unpack_row(w.ty, w.row(r), &mut row);
+                for tok in 0..t {
+                    let (xq, xd, xs) = acts.row(tok);
+                    let bias: f32 = row.bias.iter().zip(xs).map(|(b, s)| b * s).sum();
+                    let v = dot(isa, &row, signed, xq, xd) + bias;
+                    // SAFETY: each thread writes only column range start..end of every
+                    // output row, disjoint from the others; `out` outlives `run`.
+                    unsafe { *(out_addr as *mut f32).add(tok * n + r) = v };
+                }
+            }
+        });
+    });
+    Ok(())
+}
