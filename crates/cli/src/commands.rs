@@ -160,10 +160,12 @@ fn set_threads(threads: Option<usize>) {
         .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
         .unwrap_or(1)
         .max(1);
+    let candle = std::env::var("SHOAL_CANDLE_THREADS").unwrap_or_else(|_| n.to_string());
     // SAFETY: called once at start-up, before any thread that reads the environment.
     unsafe {
-        std::env::set_var("CANDLE_NUM_THREADS", n.to_string());
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        std::env::set_var("CANDLE_NUM_THREADS", &candle);
+        std::env::set_var("RAYON_NUM_THREADS", &candle);
+        std::env::set_var("SHOAL_NUM_THREADS", n.to_string());
     }
 }
 

@@ -76,8 +76,19 @@ impl Unpacked {
     }
 }
 
-/// Unpacks one row (`row.len() == ty.row_bytes(cols)`). Written as plain loops over
-/// fixed-size chunks, which the compiler vectorizes.
+/// Unpacks one row (`row.len() == ty.row_bytes(cols)`) with the fastest code `isa` allows.
+pub(crate) fn unpack_row_with(isa: crate::Isa, ty: BlockType, row: &[u8], out: &mut Unpacked) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != crate::Isa::Scalar {
+        // SAFETY: every Isa but Scalar implies AVX2, and callers pass available ones.
+        unsafe { x86::unpack_row_avx2(ty, row, out) };
+        return;
+    }
+    let _ = isa;
+    unpack_row(ty, row, out);
+}
+
+/// Unpacks one row (`row.len() == ty.row_bytes(cols)`), portable code.
 pub(crate) fn unpack_row(ty: BlockType, row: &[u8], out: &mut Unpacked) {
     let bb = ty.block_bytes();
     match ty {
@@ -174,7 +185,7 @@ pub(crate) fn unpack_row(ty: BlockType, row: &[u8], out: &mut Unpacked) {
 }
 
 /// ggml's 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K super-block.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -196,5 +207,106 @@ pub fn dequantize_row(ty: BlockType, row: &[u8], out: &mut [f32]) {
             u.q[i] as f32
         };
         *o = u.scale[i / 16] * q + u.bias[i / 16];
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{BlockType, Unpacked, f16_at, unpack_row};
+
+    /// 16 packed bytes to 32 nibbles: low nibbles first, then high ones (ggml's order).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn nibbles(p: *const u8) -> __m256i {
+        // SAFETY: callers pass a pointer to 16 readable bytes.
+        let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
+        let m = _mm_set1_epi8(0x0F);
+        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m))
+    }
+
+    /// Byte j is 0x10 where bit j of `bits` is set (llama.cpp's `bytes_from_bits_32`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn high_bits(bits: u32) -> __m256i {
+        let shuffle = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0x0000_0000_0000_0000,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
+        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64));
+        let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn store(out: &mut [u8], at: usize, v: __m256i) {
+        assert!(at + 32 <= out.len());
+        // SAFETY: bounds checked above.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at) as *mut __m256i, v) };
+    }
+
+    /// # Safety
+    /// The CPU must have AVX2; `row.len() == ty.row_bytes(out.q.len())`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn unpack_row_avx2(ty: BlockType, row: &[u8], out: &mut Unpacked) {
+        let bb = ty.block_bytes();
+        match ty {
+            BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0 => {
+                for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    let d = f16_at(blk, 0);
+                    let (q, bias) = match ty {
+                        BlockType::Q4_0 => (nibbles(blk[2..18].as_ptr()), -8.0 * d),
+                        BlockType::Q4_1 => (nibbles(blk[4..20].as_ptr()), f16_at(blk, 2)),
+                        BlockType::Q5_0 => {
+                            let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                            let q = _mm256_or_si256(nibbles(blk[6..22].as_ptr()), high_bits(qh));
+                            (q, -16.0 * d)
+                        }
+                        _ => {
+                            let src = &blk[2..34];
+                            // SAFETY: 32 readable bytes.
+                            (unsafe { _mm256_loadu_si256(src.as_ptr() as *const __m256i) }, 0.0)
+                        }
+                    };
+                    store(&mut out.q, b * 32, q);
+                    out.scale[2 * b] = d;
+                    out.scale[2 * b + 1] = d;
+                    out.bias[2 * b] = bias;
+                    out.bias[2 * b + 1] = bias;
+                }
+            }
+            BlockType::Q4K => {
+                for (b, blk) in row.chunks_exact(bb).enumerate() {
+                    // Scales and mins with the portable code (12 bytes), nibbles here.
+                    for pair in 0..4 {
+                        let src = &blk[16 + pair * 32..16 + pair * 32 + 32];
+                        // SAFETY: 32 readable bytes.
+                        let v = unsafe { _mm256_loadu_si256(src.as_ptr() as *const __m256i) };
+                        let m = _mm256_set1_epi8(0x0F);
+                        let lo = _mm256_and_si256(v, m);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+                        let base = b * 256 + pair * 64;
+                        store(&mut out.q, base, lo);
+                        store(&mut out.q, base + 32, hi);
+                    }
+                    let d = f16_at(blk, 0);
+                    let dmin = f16_at(blk, 2);
+                    for j in 0..8 {
+                        let (sc, m) = super::scale_min_k4(j, &blk[4..16]);
+                        let h = b * 16 + 2 * j;
+                        out.scale[h] = d * sc as f32;
+                        out.scale[h + 1] = d * sc as f32;
+                        out.bias[h] = -dmin * m as f32;
+                        out.bias[h + 1] = -dmin * m as f32;
+                    }
+                }
+            }
+            BlockType::Q6K => unpack_row(ty, row, out),
+        }
     }
 }

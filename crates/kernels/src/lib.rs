@@ -15,6 +15,7 @@
 
 mod blocks;
 mod dot;
+mod fused;
 mod matmul;
 mod pool;
 

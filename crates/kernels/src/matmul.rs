@@ -2,7 +2,7 @@
 
 use std::cell::RefCell;
 
-use crate::blocks::{BlockType, Unpacked, unpack_row};
+use crate::blocks::{BlockType, Unpacked, unpack_row_with};
 use crate::dot::{Isa, dot};
 use crate::{KernelError, ThreadPool};
 
@@ -163,16 +163,34 @@ pub fn matmul_with(
     pool.run(&|i| {
         let start = (i * per).min(n);
         let end = ((i + 1) * per).min(n);
+        #[cfg(target_arch = "x86_64")]
+        if t == 1 && isa != Isa::Scalar {
+            // One token: decode each block in registers (no unpacked row).
+            let (xq, xd, xs) = acts.row(0);
+            for r in start..end {
+                // SAFETY: the Isa is available (checked above); the activation row
+                // covers the weight row (both have `cols` values).
+                let v = unsafe {
+                    match isa {
+                        Isa::Avx512Vnni => crate::fused::dot_vnni(w.ty, w.row(r), xq, xd, xs),
+                        _ => crate::fused::dot_avx2(w.ty, w.row(r), xq, xd, xs),
+                    }
+                };
+                // SAFETY: as below, disjoint columns per thread.
+                unsafe { *(out_addr as *mut f32).add(r) = v };
+            }
+            return;
+        }
         ROW.with(|cell| {
             let mut row = cell.borrow_mut();
             if row.q.len() != w.cols {
                 *row = Unpacked::with_cols(w.cols);
             }
             for r in start..end {
-                unpack_row(w.ty, w.row(r), &mut row);
+                unpack_row_with(isa, w.ty, w.row(r), &mut row);
                 for tok in 0..t {
                     let (xq, xd, xs) = acts.row(tok);
-                    let bias: f32 = row.bias.iter().zip(xs).map(|(b, s)| b * s).sum();
+                    let bias = bias_dot(&row.bias, xs);
                     let v = dot(isa, &row, signed, xq, xd) + bias;
                     // SAFETY: each thread writes only column range start..end of every
                     // output row, disjoint from the others; `out` outlives `run`.
@@ -182,4 +200,18 @@ pub fn matmul_with(
         });
     });
     Ok(())
+}
+
+/// `Σ bias_h · sum_h`, with eight independent partial sums so it vectorizes.
+fn bias_dot(bias: &[f32], sums: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let mut b = bias.chunks_exact(8);
+    let mut s = sums.chunks_exact(8);
+    for (bc, sc) in (&mut b).zip(&mut s) {
+        for i in 0..8 {
+            acc[i] += bc[i] * sc[i];
+        }
+    }
+    let tail: f32 = b.remainder().iter().zip(s.remainder()).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
 }

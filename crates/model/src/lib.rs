@@ -22,7 +22,7 @@ pub use cache::KvCache;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use error::{ModelError, Result, candle_message};
 pub use gguf::GgufFile;
-pub use linear::QLinear;
+pub use linear::{KernelChoice, QLinear};
 pub use safetensors::SafetensorsDir;
 pub use transformer::{LoadSpec, Model};
 pub use weights::{Weight, WeightSource};

@@ -1,18 +1,88 @@
 //! `QLinear`: the one matrix-multiply interface of the model code.
 //!
-//! Every projection in the transformer goes through here, so that the kernels behind it
-//! (today candle's quantized dot products and its f32 gemm) can be replaced by shoal's
-//! own without touching the architectures.
+//! Every projection in the transformer goes through here, so the kernels behind it can
+//! change without touching the architectures. Quantized weights of the block types
+//! shoal's own kernels read (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) run on `shoal-kernels`;
+//! other block types and dense weights run on candle (its quantized dot products, its
+//! f32 gemm). `SHOAL_KERNELS=candle` sends everything to candle, to compare.
 
-use candle_core::Tensor;
-use candle_core::quantized::QMatMul;
+use std::sync::Arc;
 
-use crate::{Result, Weight};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Tensor};
+use shoal_kernels::{BlockType, QuantMatrix};
+
+use crate::{ModelError, Result, Weight};
+
+/// Which kernels run quantized matrix products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelChoice {
+    /// shoal's own kernels where the block type allows (the default).
+    Shoal,
+    /// candle's quantized matmul everywhere (the previous kernels).
+    Candle,
+}
+
+impl KernelChoice {
+    /// From `SHOAL_KERNELS` (`shoal` or `candle`), default `Shoal`.
+    pub fn from_env() -> Self {
+        match std::env::var("SHOAL_KERNELS").as_deref() {
+            Ok("candle") => Self::Candle,
+            _ => Self::Shoal,
+        }
+    }
+}
+
+fn block_type(dtype: GgmlDType) -> Option<BlockType> {
+    Some(match dtype {
+        GgmlDType::Q4_0 => BlockType::Q4_0,
+        GgmlDType::Q4_1 => BlockType::Q4_1,
+        GgmlDType::Q5_0 => BlockType::Q5_0,
+        GgmlDType::Q8_0 => BlockType::Q8_0,
+        GgmlDType::Q4K => BlockType::Q4K,
+        GgmlDType::Q6K => BlockType::Q6K,
+        _ => return None,
+    })
+}
+
+/// The weight of a projection in the form its kernel wants.
+#[derive(Debug, Clone)]
+pub(crate) enum Matrix {
+    Shoal(Arc<QuantMatrix>),
+    Candle(QMatMul),
+}
+
+impl Matrix {
+    /// Converts a loaded weight. A quantized tensor of a block type shoal's kernels read
+    /// is copied into a [`QuantMatrix`] (the candle tensor is then dropped by the caller).
+    pub fn from_weight(weight: Weight, kernels: KernelChoice) -> Result<Self> {
+        match weight {
+            Weight::Quantized(q) => match shoal_matrix(&q, kernels)? {
+                Some(m) => Ok(Self::Shoal(Arc::new(m))),
+                None => Ok(Self::Candle(QMatMul::from_arc(q)?)),
+            },
+            Weight::Dense(t) => Ok(Self::Candle(QMatMul::Tensor(t))),
+        }
+    }
+}
+
+/// The tensor as a [`QuantMatrix`] when shoal's kernels read its block type (and are
+/// chosen), `None` otherwise.
+pub(crate) fn shoal_matrix(q: &QTensor, kernels: KernelChoice) -> Result<Option<QuantMatrix>> {
+    let Some(ty) = block_type(q.dtype()).filter(|_| kernels == KernelChoice::Shoal) else {
+        return Ok(None);
+    };
+    let (rows, cols) = q.shape().dims2()?;
+    let data = q.data()?.into_owned();
+    QuantMatrix::new(ty, rows, cols, data)
+        .map(Some)
+        .map_err(|e| ModelError::Invalid(e.to_string()))
+}
 
 /// `y = x Wᵀ + b` with `W` stored as `(out_features, in_features)`, quantized or dense.
 #[derive(Debug, Clone)]
 pub struct QLinear {
-    weight: QMatMul,
+    weight: Matrix,
     bias: Option<Tensor>,
     in_features: usize,
     out_features: usize,
@@ -23,21 +93,22 @@ impl QLinear {
         let (out_features, in_features) = match weight.dims() {
             [o, i] => (*o, *i),
             dims => {
-                return Err(crate::ModelError::Invalid(format!(
+                return Err(ModelError::Invalid(format!(
                     "a linear weight must be 2-D, got {dims:?}"
                 )));
             }
         };
-        let weight = match weight {
-            Weight::Quantized(q) => QMatMul::from_arc(q)?,
-            Weight::Dense(t) => QMatMul::Tensor(t),
-        };
-        Ok(Self {
+        let weight = Matrix::from_weight(weight, KernelChoice::from_env())?;
+        Ok(Self::from_matrix(weight, bias, in_features, out_features))
+    }
+
+    pub(crate) fn from_matrix(weight: Matrix, bias: Option<Tensor>, in_features: usize, out_features: usize) -> Self {
+        Self {
             weight,
             bias,
             in_features,
             out_features,
-        })
+        }
     }
 
     pub fn in_features(&self) -> usize {
@@ -50,7 +121,25 @@ impl QLinear {
 
     /// `x`: `(.., in_features)` f32; returns `(.., out_features)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = x.apply(&self.weight)?;
+        let y = match &self.weight {
+            Matrix::Candle(m) => x.apply(m)?,
+            Matrix::Shoal(m) => {
+                let mut dims = x.dims().to_vec();
+                let k = dims.pop().unwrap_or(0);
+                if k != self.in_features {
+                    return Err(ModelError::Invalid(format!(
+                        "input has {k} features, the projection takes {}",
+                        self.in_features
+                    )));
+                }
+                let t = dims.iter().product::<usize>();
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; t * self.out_features];
+                shoal_kernels::matmul(m, &xs, t, &mut out).map_err(|e| ModelError::Invalid(e.to_string()))?;
+                dims.push(self.out_features);
+                Tensor::from_vec(out, dims, &Device::Cpu)?
+            }
+        };
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,

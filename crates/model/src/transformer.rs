@@ -4,6 +4,11 @@ use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 
+use std::sync::Arc;
+
+use shoal_kernels::QuantMatrix;
+
+use crate::linear::{KernelChoice, Matrix, shoal_matrix};
 use crate::{
     Architecture, KvCache, ModelConfig, ModelError, QLinear, Result, RopeStyle, Weight,
     WeightSource,
@@ -46,7 +51,9 @@ impl RmsNorm {
 
 #[derive(Debug, Clone)]
 enum Embedding {
-    Quantized(std::sync::Arc<candle_core::quantized::QTensor>),
+    /// Rows dequantized by shoal's kernels; shared with a tied output projection.
+    Shoal(Arc<QuantMatrix>),
+    Candle(Arc<candle_core::quantized::QTensor>),
     Dense(Tensor),
 }
 
@@ -197,7 +204,10 @@ impl Model {
             let w = require(source, "token_embd.weight")?;
             check_shape("token_embd.weight", &w, &[c.vocab_size, c.hidden_size])?;
             Ok(match w {
-                Weight::Quantized(q) => Embedding::Quantized(q),
+                Weight::Quantized(q) => match shoal_matrix(&q, KernelChoice::from_env())? {
+                    Some(m) => Embedding::Shoal(Arc::new(m)),
+                    None => Embedding::Candle(q),
+                },
                 Weight::Dense(t) => Embedding::Dense(t),
             })
         };
@@ -277,14 +287,20 @@ impl Model {
             });
         }
         let head = if spec.head {
-            let output = match source.load("output.weight")? {
-                Some(w) => w,
-                None => require(source, "token_embd.weight")?,
+            let output = match (source.load("output.weight")?, &embedding) {
+                (Some(w), _) => {
+                    check_shape("output.weight", &w, &[c.vocab_size, c.hidden_size])?;
+                    QLinear::new(w, None)?
+                }
+                // Tied embeddings: the head shares the embedding's matrix, not a copy.
+                (None, Some(Embedding::Shoal(m))) => {
+                    QLinear::from_matrix(Matrix::Shoal(Arc::clone(m)), None, c.hidden_size, c.vocab_size)
+                }
+                (None, _) => QLinear::new(require(source, "token_embd.weight")?, None)?,
             };
-            check_shape("output.weight", &output, &[c.vocab_size, c.hidden_size])?;
             Some(Head {
                 norm: norm(source, "output_norm.weight", c.hidden_size, c.rms_eps)?,
-                output: QLinear::new(output, None)?,
+                output,
             })
         } else {
             None
@@ -336,7 +352,15 @@ impl Model {
         }
         let ids = Tensor::new(tokens, &Device::Cpu)?;
         Ok(match embedding {
-            Embedding::Quantized(q) => q.embedding(&ids)?,
+            Embedding::Shoal(m) => {
+                let h = self.config.hidden_size;
+                let mut out = vec![0f32; tokens.len() * h];
+                for (row, &t) in out.chunks_exact_mut(h).zip(tokens) {
+                    m.dequantize_row(t as usize, row);
+                }
+                Tensor::from_vec(out, (tokens.len(), h), &Device::Cpu)?
+            }
+            Embedding::Candle(q) => q.embedding(&ids)?,
             Embedding::Dense(t) => t.index_select(&ids, 0)?,
         })
     }

@@ -1,0 +1,169 @@
+//! Fused single-token dot products: each block is decoded in registers and multiplied at
+//! once, without writing the unpacked row out. Decode (one token per step) runs here;
+//! batches take the unpack-once path of `matmul`, whose cost per row is shared by all
+//! the tokens of the batch.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use half::f16;
+
+use crate::BlockType;
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load32(p: &[u8]) -> __m256i {
+    assert!(p.len() >= 32);
+    // SAFETY: 32 readable bytes, checked above.
+    unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn nibbles(p: &[u8]) -> __m256i {
+    assert!(p.len() >= 16);
+    // SAFETY: 16 readable bytes, checked above.
+    let v = unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) };
+    let m = _mm_set1_epi8(0x0F);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m))
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn high_bits(bits: u32) -> __m256i {
+    let shuffle = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0x0000_0000_0000_0000,
+    );
+    let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
+    let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64));
+    let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+macro_rules! fused_dot {
+    ($name:ident, $features:literal, $product:expr) => {
+        /// `Σ w·x` of one packed row and one quantized activation row.
+        ///
+        /// # Safety
+        /// The CPU must have the features named; `xq`, `xd`, `xs` must cover the row.
+        #[target_feature(enable = $features)]
+        pub(crate) unsafe fn $name(ty: BlockType, row: &[u8], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+            let xq = bytemuck_i8(xq);
+            let mut acc = _mm256_setzero_ps();
+            let mut bias = 0f32;
+            // One group of 32 weights `w = s·q + b` (scale and bias per 32).
+            macro_rules! same {
+                ($g:expr, $q:expr, $s:expr, $b:expr) => {{
+                    let g = $g;
+                    let p: __m256i = $product($q, load32(&xq[g * 32..]));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps($s * xd[g]), acc);
+                    bias += $b * (xs[2 * g] + xs[2 * g + 1]);
+                }};
+            }
+            match ty {
+                BlockType::Q4_0 => {
+                    for (g, blk) in row.chunks_exact(18).enumerate() {
+                        let d = f16_at(blk, 0);
+                        same!(g, nibbles(&blk[2..]), d, -8.0 * d);
+                    }
+                }
+                BlockType::Q4_1 => {
+                    for (g, blk) in row.chunks_exact(20).enumerate() {
+                        same!(g, nibbles(&blk[4..]), f16_at(blk, 0), f16_at(blk, 2));
+                    }
+                }
+                BlockType::Q5_0 => {
+                    for (g, blk) in row.chunks_exact(22).enumerate() {
+                        let d = f16_at(blk, 0);
+                        let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                        let q = _mm256_or_si256(nibbles(&blk[6..]), high_bits(qh));
+                        same!(g, q, d, -16.0 * d);
+                    }
+                }
+                BlockType::Q8_0 => {
+                    for (g, blk) in row.chunks_exact(34).enumerate() {
+                        let q = load32(&blk[2..]);
+                        let x = load32(&xq[g * 32..]);
+                        let p: __m256i = $product(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+                        let s = f16_at(blk, 0) * xd[g];
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
+                    }
+                }
+                BlockType::Q4K => {
+                    let m4 = _mm256_set1_epi8(0x0F);
+                    for (sb, blk) in row.chunks_exact(144).enumerate() {
+                        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                        for pair in 0..4 {
+                            let v = load32(&blk[16 + pair * 32..]);
+                            let lo = _mm256_and_si256(v, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                            for (h, q) in [(0, lo), (1, hi)] {
+                                let j = 2 * pair + h;
+                                let (sc, m) = crate::blocks::scale_min_k4(j, &blk[4..16]);
+                                same!(sb * 8 + j, q, d * sc as f32, -dmin * m as f32);
+                            }
+                        }
+                    }
+                }
+                BlockType::Q6K => {
+                    let m4 = _mm256_set1_epi8(0x0F);
+                    let m2 = _mm256_set1_epi8(3);
+                    for (sb, blk) in row.chunks_exact(210).enumerate() {
+                        let d = f16_at(blk, 208);
+                        for half in 0..2 {
+                            let ql0 = load32(&blk[half * 64..]);
+                            let ql1 = load32(&blk[half * 64 + 32..]);
+                            let qh = load32(&blk[128 + half * 32..]);
+                            let qs = [
+                                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+                                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)),
+                            ];
+                            for (k, q) in qs.into_iter().enumerate() {
+                                let g = sb * 8 + half * 4 + k;
+                                let sc = &blk[192 + half * 8 + 2 * k..];
+                                let (s0, s1) = (d * (sc[0] as i8) as f32, d * (sc[1] as i8) as f32);
+                                let p: __m256i = $product(q, load32(&xq[g * 32..]));
+                                let x = xd[g];
+                                let scale = _mm256_set_m128(_mm_set1_ps(s1 * x), _mm_set1_ps(s0 * x));
+                                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
+                                bias -= 32.0 * (s0 * xs[2 * g] + s1 * xs[2 * g + 1]);
+                            }
+                        }
+                    }
+                }
+            }
+            hsum(acc) + bias
+        }
+    };
+}
+
+fn bytemuck_i8(x: &[i8]) -> &[u8] {
+    // SAFETY: i8 and u8 have the same size and alignment.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, x.len()) }
+}
+
+fused_dot!(dot_avx2, "avx2,fma", |q, x| {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+});
+fused_dot!(dot_vnni, "avx2,fma,avx512vnni,avx512vl", |q, x| {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
+});
