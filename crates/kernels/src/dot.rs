@@ -90,6 +90,21 @@ fn dot_scalar(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
     acc
 }
 
+/// `dot` for up to four activation rows at once (`xs[j]` = (q, d) of token j), writing
+/// `out[j]`: the weight row is loaded once per group for all of them.
+pub(crate) fn dot_many(isa: Isa, w: &Unpacked, signed: bool, xs: &[(&[i8], &[f32])], out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: callers only pass an Isa that `is_available` on this machine.
+        Isa::Avx2 | Isa::Avx512Vnni if xs.len() == 4 => unsafe { x86::dot4_avx2(w, signed, xs, out) },
+        _ => {
+            for (o, (q, d)) in out.iter_mut().zip(xs) {
+                *o = dot(isa, w, signed, q, d);
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -141,6 +156,36 @@ mod x86 {
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), group_scale(w, xd, g), acc);
         }
         hsum(acc)
+    }
+
+    /// Four tokens per pass over the weight row.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `xs.len() == 4`, `out.len() >= 4`, lengths as for
+    /// `dot_avx2`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot4_avx2(w: &Unpacked, signed: bool, xs: &[(&[i8], &[f32])], out: &mut [f32]) {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let groups = w.q.len() / 32;
+        for g in 0..groups {
+            // SAFETY: g·32 + 32 ≤ len.
+            let q = unsafe { _mm256_loadu_si256(w.q.as_ptr().add(g * 32) as *const __m256i) };
+            let aq = if signed { _mm256_sign_epi8(q, q) } else { q };
+            let sc = _mm256_set_m128(_mm_set1_ps(w.scale[2 * g + 1]), _mm_set1_ps(w.scale[2 * g]));
+            for j in 0..4 {
+                let (xq, xd) = xs[j];
+                // SAFETY: g·32 + 32 ≤ len.
+                let x = unsafe { _mm256_loadu_si256(xq.as_ptr().add(g * 32) as *const __m256i) };
+                let x = if signed { _mm256_sign_epi8(x, q) } else { x };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, x), ones);
+                let s = _mm256_mul_ps(sc, _mm256_set1_ps(xd[g]));
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[j]);
+            }
+        }
+        for j in 0..4 {
+            out[j] = hsum(acc[j]);
+        }
     }
 
     /// # Safety

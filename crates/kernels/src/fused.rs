@@ -11,6 +11,9 @@ use half::f16;
 
 use crate::BlockType;
 
+/// How far ahead of the block in hand the weights are prefetched, in bytes.
+const AHEAD: usize = 1024;
+
 fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
@@ -77,20 +80,29 @@ macro_rules! fused_dot {
                     bias += $b * (xs[2 * g] + xs[2 * g + 1]);
                 }};
             }
+            // Stream the row ahead of use: a decode step reads every weight once, from
+            // memory, and the loop's own loads come too late to hide the latency.
+            // Prefetching never faults, so the address may lie past the row.
+            let prefetch = |at: usize| {
+                _mm_prefetch(row.as_ptr().wrapping_add(at) as *const i8, _MM_HINT_T0);
+            };
             match ty {
                 BlockType::Q4_0 => {
                     for (g, blk) in row.chunks_exact(18).enumerate() {
+                        prefetch(g * 18 + AHEAD);
                         let d = f16_at(blk, 0);
                         same!(g, nibbles(&blk[2..]), d, -8.0 * d);
                     }
                 }
                 BlockType::Q4_1 => {
                     for (g, blk) in row.chunks_exact(20).enumerate() {
+                        prefetch(g * 20 + AHEAD);
                         same!(g, nibbles(&blk[4..]), f16_at(blk, 0), f16_at(blk, 2));
                     }
                 }
                 BlockType::Q5_0 => {
                     for (g, blk) in row.chunks_exact(22).enumerate() {
+                        prefetch(g * 22 + AHEAD);
                         let d = f16_at(blk, 0);
                         let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
                         let q = _mm256_or_si256(nibbles(&blk[6..]), high_bits(qh));
@@ -99,6 +111,7 @@ macro_rules! fused_dot {
                 }
                 BlockType::Q8_0 => {
                     for (g, blk) in row.chunks_exact(34).enumerate() {
+                        prefetch(g * 34 + AHEAD);
                         let q = load32(&blk[2..]);
                         let x = load32(&xq[g * 32..]);
                         let p: __m256i = $product(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
@@ -109,6 +122,8 @@ macro_rules! fused_dot {
                 BlockType::Q4K => {
                     let m4 = _mm256_set1_epi8(0x0F);
                     for (sb, blk) in row.chunks_exact(144).enumerate() {
+                        prefetch(sb * 144 + AHEAD);
+                        prefetch(sb * 144 + AHEAD + 64);
                         let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
                         for pair in 0..4 {
                             let v = load32(&blk[16 + pair * 32..]);
@@ -126,6 +141,9 @@ macro_rules! fused_dot {
                     let m4 = _mm256_set1_epi8(0x0F);
                     let m2 = _mm256_set1_epi8(3);
                     for (sb, blk) in row.chunks_exact(210).enumerate() {
+                        prefetch(sb * 210 + AHEAD);
+                        prefetch(sb * 210 + AHEAD + 64);
+                        prefetch(sb * 210 + AHEAD + 128);
                         let d = f16_at(blk, 208);
                         for half in 0..2 {
                             let ql0 = load32(&blk[half * 64..]);
