@@ -122,6 +122,9 @@ struct BenchArgs {
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Quantized-matmul kernels: `shoal` (its own) or `candle` (the previous ones).
+    #[arg(long, default_value = "shoal", value_parser = ["shoal", "candle"])]
+    kernels: String,
 }
 
 #[derive(Args, Debug)]
@@ -334,6 +337,8 @@ fn bench(args: BenchArgs) -> Result<()> {
     if !args.local {
         bail!("only `shoal bench --local` exists so far: the cluster benchmark needs `shoal node`");
     }
+    // SAFETY: start-up, before any thread reads the environment.
+    unsafe { std::env::set_var("SHOAL_KERNELS", &args.kernels) };
     let engine = load(&args.model)?;
     let config = BenchConfig {
         pp: args.pp,
@@ -352,6 +357,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         let v = serde_json::json!({
             "model": args.model.model,
             "threads": threads.parse::<usize>().ok(),
+            "kernels": args.kernels,
             "pp": report.pp,
             "tg": report.tg,
             "repeat": report.repeat,
@@ -364,7 +370,10 @@ fn bench(args: BenchArgs) -> Result<()> {
         println!("{v}");
         return Ok(());
     }
-    println!("model {} threads {threads}", args.model.model);
+    println!(
+        "model {} threads {threads} kernels {}",
+        args.model.model, args.kernels
+    );
     println!(
         "{:<12} {:>10} {:>10} {:>10}",
         "test", "median", "min", "max"

@@ -7,17 +7,24 @@ use std::time::Instant;
 use shoal_kernels::{BlockType, Isa, QuantMatrix, ThreadPool, matmul_with};
 
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let rows = args.first().copied().unwrap_or(1536);
     let cols = args.get(1).copied().unwrap_or(576).max(256) / 256 * 256;
     let t = args.get(2).copied().unwrap_or(1);
     let threads = args.get(3).copied().unwrap_or(1);
     let pool = ThreadPool::new(threads);
-    let x: Vec<f32> = (0..t * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+    let x: Vec<f32> = (0..t * cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
     let mut out = vec![0f32; t * rows];
     println!("rows {rows} cols {cols} tokens {t} threads {threads}");
     for ty in BlockType::ALL {
-        let mut data: Vec<u8> = (0..rows * ty.row_bytes(cols)).map(|i| (i * 31 % 251) as u8).collect();
+        let mut data: Vec<u8> = (0..rows * ty.row_bytes(cols))
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
         // Keep scales finite and small.
         for blk in data.chunks_exact_mut(ty.block_bytes()) {
             let at = if ty == BlockType::Q6K { 208 } else { 0 };
@@ -33,7 +40,12 @@ fn main() {
             }
             let ns = start.elapsed().as_nanos() as f64 / iters as f64;
             let per_block = ns / (rows * cols * t / 32) as f64 * threads as f64;
-            println!("{ty:?} {isa:?}: {:.1} us per call, {:.2} ns per 32 weights per thread, {:.1} GB/s of weights", ns / 1e3, per_block, m.size_in_bytes() as f64 / ns);
+            println!(
+                "{ty:?} {isa:?}: {:.1} us per call, {:.2} ns per 32 weights per thread, {:.1} GB/s of weights",
+                ns / 1e3,
+                per_block,
+                m.size_in_bytes() as f64 / ns
+            );
         }
     }
 }

@@ -270,7 +270,10 @@ mod x86 {
                         _ => {
                             let src = &blk[2..34];
                             // SAFETY: 32 readable bytes.
-                            (unsafe { _mm256_loadu_si256(src.as_ptr() as *const __m256i) }, 0.0)
+                            (
+                                unsafe { _mm256_loadu_si256(src.as_ptr() as *const __m256i) },
+                                0.0,
+                            )
                         }
                     };
                     store(&mut out.q, b * 32, q);

@@ -92,11 +92,19 @@ fn dot_scalar(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
 
 /// `dot` for up to four activation rows at once (`xs[j]` = (q, d) of token j), writing
 /// `out[j]`: the weight row is loaded once per group for all of them.
-pub(crate) fn dot_many(isa: Isa, w: &Unpacked, signed: bool, xs: &[(&[i8], &[f32])], out: &mut [f32]) {
+pub(crate) fn dot_many(
+    isa: Isa,
+    w: &Unpacked,
+    signed: bool,
+    xs: &[(&[i8], &[f32])],
+    out: &mut [f32],
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: callers only pass an Isa that `is_available` on this machine.
-        Isa::Avx2 | Isa::Avx512Vnni if xs.len() == 4 => unsafe { x86::dot4_avx2(w, signed, xs, out) },
+        Isa::Avx2 | Isa::Avx512Vnni if xs.len() == 4 => unsafe {
+            x86::dot4_avx2(w, signed, xs, out)
+        },
         _ => {
             for (o, (q, d)) in out.iter_mut().zip(xs) {
                 *o = dot(isa, w, signed, q, d);
@@ -164,7 +172,12 @@ mod x86 {
     /// The CPU must have AVX2 and FMA; `xs.len() == 4`, `out.len() >= 4`, lengths as for
     /// `dot_avx2`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot4_avx2(w: &Unpacked, signed: bool, xs: &[(&[i8], &[f32])], out: &mut [f32]) {
+    pub(super) unsafe fn dot4_avx2(
+        w: &Unpacked,
+        signed: bool,
+        xs: &[(&[i8], &[f32])],
+        out: &mut [f32],
+    ) {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); 4];
         let groups = w.q.len() / 32;

@@ -67,7 +67,13 @@ macro_rules! fused_dot {
         /// # Safety
         /// The CPU must have the features named; `xq`, `xd`, `xs` must cover the row.
         #[target_feature(enable = $features)]
-        pub(crate) unsafe fn $name(ty: BlockType, row: &[u8], xq: &[i8], xd: &[f32], xs: &[f32]) -> f32 {
+        pub(crate) unsafe fn $name(
+            ty: BlockType,
+            row: &[u8],
+            xq: &[i8],
+            xd: &[f32],
+            xs: &[f32],
+        ) -> f32 {
             let xq = bytemuck_i8(xq);
             let mut acc = _mm256_setzero_ps();
             let mut bias = 0f32;
@@ -150,10 +156,31 @@ macro_rules! fused_dot {
                             let ql1 = load32(&blk[half * 64 + 32..]);
                             let qh = load32(&blk[128 + half * 32..]);
                             let qs = [
-                                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
-                                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4)),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(ql0, m4),
+                                    _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                                ),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(ql1, m4),
+                                    _mm256_slli_epi16(
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                                        4,
+                                    ),
+                                ),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                    _mm256_slli_epi16(
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                                        4,
+                                    ),
+                                ),
+                                _mm256_or_si256(
+                                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                    _mm256_slli_epi16(
+                                        _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+                                        4,
+                                    ),
+                                ),
                             ];
                             for (k, q) in qs.into_iter().enumerate() {
                                 let g = sb * 8 + half * 4 + k;
@@ -161,7 +188,8 @@ macro_rules! fused_dot {
                                 let (s0, s1) = (d * (sc[0] as i8) as f32, d * (sc[1] as i8) as f32);
                                 let p: __m256i = $product(q, load32(&xq[g * 32..]));
                                 let x = xd[g];
-                                let scale = _mm256_set_m128(_mm_set1_ps(s1 * x), _mm_set1_ps(s0 * x));
+                                let scale =
+                                    _mm256_set_m128(_mm_set1_ps(s1 * x), _mm_set1_ps(s0 * x));
                                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
                                 bias -= 32.0 * (s0 * xs[2 * g] + s1 * xs[2 * g + 1]);
                             }

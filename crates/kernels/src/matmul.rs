@@ -231,7 +231,12 @@ fn bias_dot(bias: &[f32], sums: &[f32]) -> f32 {
             acc[i] += bc[i] * sc[i];
         }
     }
-    let tail: f32 = b.remainder().iter().zip(s.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = b
+        .remainder()
+        .iter()
+        .zip(s.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     acc.iter().sum::<f32>() + tail
 }
 

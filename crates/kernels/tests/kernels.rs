@@ -65,7 +65,7 @@ fn make_matrix(ty: BlockType, rows: usize, cols: usize, fill: Fill, rng: &mut Rn
         for &o in scale_offsets(ty) {
             let v = match fill {
                 Fill::Random => f16::from_f32(rng.f32() * 0.05),
-                Fill::Huge => f16::from_f32(if rng.u64() % 2 == 0 {
+                Fill::Huge => f16::from_f32(if rng.u64().is_multiple_of(2) {
                     65504.0
                 } else {
                     -65504.0
@@ -133,6 +133,7 @@ fn unpacking_matches_candle_dequantization() {
 /// The kernels accumulate in f32 and split each product into a scaled integer sum and a
 /// bias term that partly cancel, so they are held to 1e-4 of the sum of those terms'
 /// sizes: one weight off by a single quantization step in a row of 128 misses by ~1e-3.
+#[allow(clippy::too_many_arguments)] // one line per dimension of the test grid
 fn check_matmul(
     isa: Isa,
     pool: &ThreadPool,

@@ -102,7 +102,12 @@ impl QLinear {
         Ok(Self::from_matrix(weight, bias, in_features, out_features))
     }
 
-    pub(crate) fn from_matrix(weight: Matrix, bias: Option<Tensor>, in_features: usize, out_features: usize) -> Self {
+    pub(crate) fn from_matrix(
+        weight: Matrix,
+        bias: Option<Tensor>,
+        in_features: usize,
+        out_features: usize,
+    ) -> Self {
         Self {
             weight,
             bias,
@@ -135,7 +140,8 @@ impl QLinear {
                 let t = dims.iter().product::<usize>();
                 let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; t * self.out_features];
-                shoal_kernels::matmul(m, &xs, t, &mut out).map_err(|e| ModelError::Invalid(e.to_string()))?;
+                shoal_kernels::matmul(m, &xs, t, &mut out)
+                    .map_err(|e| ModelError::Invalid(e.to_string()))?;
                 dims.push(self.out_features);
                 Tensor::from_vec(out, dims, &Device::Cpu)?
             }

@@ -293,9 +293,12 @@ impl Model {
                     QLinear::new(w, None)?
                 }
                 // Tied embeddings: the head shares the embedding's matrix, not a copy.
-                (None, Some(Embedding::Shoal(m))) => {
-                    QLinear::from_matrix(Matrix::Shoal(Arc::clone(m)), None, c.hidden_size, c.vocab_size)
-                }
+                (None, Some(Embedding::Shoal(m))) => QLinear::from_matrix(
+                    Matrix::Shoal(Arc::clone(m)),
+                    None,
+                    c.hidden_size,
+                    c.vocab_size,
+                ),
                 (None, _) => QLinear::new(require(source, "token_embd.weight")?, None)?,
             };
             Some(Head {
