@@ -54,7 +54,7 @@ impl BlockType {
     }
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
@@ -215,32 +215,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{BlockType, Unpacked, f16_at, unpack_row};
-
-    /// 16 packed bytes to 32 nibbles: low nibbles first, then high ones (ggml's order).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn nibbles(p: *const u8) -> __m256i {
-        // SAFETY: callers pass a pointer to 16 readable bytes.
-        let v = unsafe { _mm_loadu_si128(p as *const __m128i) };
-        let m = _mm_set1_epi8(0x0F);
-        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m))
-    }
-
-    /// Byte j is 0x10 where bit j of `bits` is set (llama.cpp's `bytes_from_bits_32`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn high_bits(bits: u32) -> __m256i {
-        let shuffle = _mm256_set_epi64x(
-            0x0303_0303_0303_0303,
-            0x0202_0202_0202_0202,
-            0x0101_0101_0101_0101,
-            0x0000_0000_0000_0000,
-        );
-        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), shuffle);
-        let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64));
-        let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
-        _mm256_and_si256(set, _mm256_set1_epi8(0x10))
-    }
+    use crate::fused::{high_bits, nibbles};
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -260,11 +235,11 @@ mod x86 {
                 for (b, blk) in row.chunks_exact(bb).enumerate() {
                     let d = f16_at(blk, 0);
                     let (q, bias) = match ty {
-                        BlockType::Q4_0 => (nibbles(blk[2..18].as_ptr()), -8.0 * d),
-                        BlockType::Q4_1 => (nibbles(blk[4..20].as_ptr()), f16_at(blk, 2)),
+                        BlockType::Q4_0 => (nibbles(&blk[2..18]), -8.0 * d),
+                        BlockType::Q4_1 => (nibbles(&blk[4..20]), f16_at(blk, 2)),
                         BlockType::Q5_0 => {
                             let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                            let q = _mm256_or_si256(nibbles(blk[6..22].as_ptr()), high_bits(qh));
+                            let q = _mm256_or_si256(nibbles(&blk[6..22]), high_bits(qh));
                             (q, -16.0 * d)
                         }
                         _ => {

@@ -118,6 +118,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use crate::blocks::Unpacked;
+    use crate::fused::hsum;
 
     /// Scales of the two halves of group `g`, times the activation scale, as
     /// `[lo ×4, hi ×4]` to match the lane order of the 32-bit sums.
@@ -129,15 +130,6 @@ mod x86 {
             _mm_set1_ps(w.scale[2 * g + 1] * d),
             _mm_set1_ps(w.scale[2 * g] * d),
         )
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
     }
 
     /// # Safety

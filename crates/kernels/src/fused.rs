@@ -7,28 +7,25 @@
 
 use std::arch::x86_64::*;
 
-use half::f16;
-
 use crate::BlockType;
 
 /// How far ahead of the block in hand the weights are prefetched, in bytes.
 const AHEAD: usize = 1024;
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
+use crate::blocks::f16_at;
 
 #[inline]
 #[target_feature(enable = "avx2")]
-fn load32(p: &[u8]) -> __m256i {
+pub(crate) fn load32(p: &[u8]) -> __m256i {
     assert!(p.len() >= 32);
     // SAFETY: 32 readable bytes, checked above.
     unsafe { _mm256_loadu_si256(p.as_ptr() as *const __m256i) }
 }
 
+/// 16 packed bytes to 32 nibbles: low nibbles first, then high ones (ggml's order).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn nibbles(p: &[u8]) -> __m256i {
+pub(crate) fn nibbles(p: &[u8]) -> __m256i {
     assert!(p.len() >= 16);
     // SAFETY: 16 readable bytes, checked above.
     let v = unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) };
@@ -36,9 +33,10 @@ fn nibbles(p: &[u8]) -> __m256i {
     _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m))
 }
 
+/// Byte j is 0x10 where bit j of `bits` is set (llama.cpp's `bytes_from_bits_32`).
 #[inline]
 #[target_feature(enable = "avx2")]
-fn high_bits(bits: u32) -> __m256i {
+pub(crate) fn high_bits(bits: u32) -> __m256i {
     let shuffle = _mm256_set_epi64x(
         0x0303_0303_0303_0303,
         0x0202_0202_0202_0202,
@@ -51,9 +49,10 @@ fn high_bits(bits: u32) -> __m256i {
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
+/// The sum of the eight lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-fn hsum(v: __m256) -> f32 {
+pub(crate) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
