@@ -132,31 +132,49 @@ mod x86 {
         )
     }
 
-    /// # Safety
-    /// The CPU must have AVX2 and FMA; `xq.len() == w.q.len()`, a multiple of 32.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_avx2(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        let groups = w.q.len() / 32;
-        for g in 0..groups {
-            // SAFETY: g·32 + 32 ≤ len for both slices.
-            let (q, x) = unsafe {
-                (
-                    _mm256_loadu_si256(w.q.as_ptr().add(g * 32) as *const __m256i),
-                    _mm256_loadu_si256(xq.as_ptr().add(g * 32) as *const __m256i),
-                )
-            };
-            let (q, x) = if signed {
-                (_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
-            } else {
-                (q, x)
-            };
-            let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), ones);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), group_scale(w, xd, g), acc);
-        }
-        hsum(acc)
+    /// One unpacked row against one activation row; only the 8-bit product differs
+    /// between instruction sets.
+    macro_rules! unpacked_dot {
+        ($name:ident, $features:literal, $requires:literal, $product:expr) => {
+            /// # Safety
+            #[doc = $requires]
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
+                let mut acc = _mm256_setzero_ps();
+                let groups = w.q.len() / 32;
+                for g in 0..groups {
+                    // SAFETY: g·32 + 32 ≤ len for both slices.
+                    let (q, x) = unsafe {
+                        (
+                            _mm256_loadu_si256(w.q.as_ptr().add(g * 32) as *const __m256i),
+                            _mm256_loadu_si256(xq.as_ptr().add(g * 32) as *const __m256i),
+                        )
+                    };
+                    let (q, x) = if signed {
+                        (_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
+                    } else {
+                        (q, x)
+                    };
+                    let p: __m256i = $product(q, x);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), group_scale(w, xd, g), acc);
+                }
+                hsum(acc)
+            }
+        };
     }
+
+    unpacked_dot!(
+        dot_avx2,
+        "avx2,fma",
+        "The CPU must have AVX2 and FMA; `xq.len() == w.q.len()`, a multiple of 32.",
+        |q, x| _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+    );
+    unpacked_dot!(
+        dot_vnni,
+        "avx2,fma,avx512vnni,avx512vl",
+        "The CPU must have AVX2, FMA, AVX-512 VNNI and VL; lengths as for `dot_avx2`.",
+        |q, x| _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
+    );
 
     /// Four tokens per pass over the weight row.
     ///
@@ -191,31 +209,5 @@ mod x86 {
         for j in 0..4 {
             out[j] = hsum(acc[j]);
         }
-    }
-
-    /// # Safety
-    /// The CPU must have AVX2, FMA, AVX-512 VNNI and VL; lengths as for `dot_avx2`.
-    #[target_feature(enable = "avx2,fma,avx512vnni,avx512vl")]
-    pub(super) unsafe fn dot_vnni(w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -> f32 {
-        let zero = _mm256_setzero_si256();
-        let mut acc = _mm256_setzero_ps();
-        let groups = w.q.len() / 32;
-        for g in 0..groups {
-            // SAFETY: g·32 + 32 ≤ len for both slices.
-            let (q, x) = unsafe {
-                (
-                    _mm256_loadu_si256(w.q.as_ptr().add(g * 32) as *const __m256i),
-                    _mm256_loadu_si256(xq.as_ptr().add(g * 32) as *const __m256i),
-                )
-            };
-            let (q, x) = if signed {
-                (_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q))
-            } else {
-                (q, x)
-            };
-            let p = _mm256_dpbusd_epi32(zero, q, x);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), group_scale(w, xd, g), acc);
-        }
-        hsum(acc)
     }
 }

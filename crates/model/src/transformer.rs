@@ -353,7 +353,6 @@ impl Model {
                 self.config.vocab_size
             )));
         }
-        let ids = Tensor::new(tokens, &Device::Cpu)?;
         Ok(match embedding {
             Embedding::Shoal(m) => {
                 let h = self.config.hidden_size;
@@ -363,8 +362,8 @@ impl Model {
                 }
                 Tensor::from_vec(out, (tokens.len(), h), &Device::Cpu)?
             }
-            Embedding::Candle(q) => q.embedding(&ids)?,
-            Embedding::Dense(t) => t.index_select(&ids, 0)?,
+            Embedding::Candle(q) => q.embedding(&Tensor::new(tokens, &Device::Cpu)?)?,
+            Embedding::Dense(t) => t.index_select(&Tensor::new(tokens, &Device::Cpu)?, 0)?,
         })
     }
 
