@@ -10,7 +10,8 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA: `vpmaddubsw` products, f32 accumulation.
     Avx2,
-    /// AVX-512 VNNI (256-bit forms): `vpdpbusd` products, no 16-bit intermediate.
+    /// AVX-512 (F, BW, VL, VNNI): `vpdpbusd` products, no 16-bit intermediate; 512-bit
+    /// register tiles for batches.
     Avx512Vnni,
 }
 
@@ -24,6 +25,8 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Self::Avx512Vnni => {
                 Self::Avx2.is_available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vnni")
                     && is_x86_feature_detected!("avx512vl")
             }

@@ -18,6 +18,7 @@ mod dot;
 mod fused;
 mod matmul;
 mod pool;
+mod tile;
 
 pub use blocks::{BlockType, dequantize_row};
 pub use dot::Isa;

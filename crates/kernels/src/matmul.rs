@@ -117,7 +117,8 @@ impl Activations {
         self.t
     }
 
-    fn row(&self, i: usize) -> (&[i8], &[f32], &[f32]) {
+    #[inline]
+    pub(crate) fn row(&self, i: usize) -> (&[i8], &[f32], &[f32]) {
         let k = self.k;
         (
             &self.q[i * k..(i + 1) * k],
@@ -155,6 +156,10 @@ pub fn matmul_with(
         });
     }
     let acts = Activations::quantize(x, t, w.cols)?;
+    if crate::tile::applies(isa, w, t) {
+        crate::tile::matmul(pool, w, &acts, out);
+        return Ok(());
+    }
     let n = w.rows;
     let threads = pool.size().min(n).max(1);
     let per = n.div_ceil(threads);

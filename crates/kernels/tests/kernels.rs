@@ -193,7 +193,15 @@ fn every_block_type_on_every_instruction_set_matches_the_reference() {
     let mut seed = 10;
     for &isa in &isas {
         for ty in BlockType::ALL {
-            for (rows, blocks, t) in [(1, 1, 1), (3, 2, 1), (7, 3, 2), (33, 1, 5), (16, 4, 3)] {
+            for (rows, blocks, t) in [
+                (1, 1, 1),
+                (3, 2, 1),
+                (7, 3, 2),
+                (33, 1, 5),
+                (16, 4, 3),
+                (9, 2, 6),
+                (5, 6, 9),
+            ] {
                 for fill in [Fill::Random, Fill::Zero, Fill::Huge, Fill::Tiny] {
                     seed += 1;
                     let pool = &pools[seed as usize % pools.len()];
