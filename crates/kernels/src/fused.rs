@@ -59,144 +59,231 @@ pub(crate) fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// Rows decoded per pass: they share each activation load and keep independent
+/// accumulation chains, so the loop is not bound by one chain's FMA latency.
+pub(crate) const ROWS: usize = 4;
+
 macro_rules! fused_dot {
     ($name:ident, $features:literal, $product:expr) => {
-        /// `Σ w·x` of one packed row and one quantized activation row.
+        /// `Σ w·x` of up to [`ROWS`] packed rows (`rows[..n]`, the rest ignored) and one
+        /// quantized activation row, into `out[..n]`.
         ///
         /// # Safety
-        /// The CPU must have the features named; `xq`, `xd`, `xs` must cover the row.
+        /// The CPU must have the features named; every row has the same length and `xq`,
+        /// `xd`, `xs` cover it.
         #[target_feature(enable = $features)]
         pub(crate) unsafe fn $name(
             ty: BlockType,
-            row: &[u8],
+            rows: &[&[u8]],
             xq: &[i8],
             xd: &[f32],
             xs: &[f32],
-        ) -> f32 {
-            let xq = bytemuck_i8(xq);
-            let mut acc = _mm256_setzero_ps();
-            let mut bias = 0f32;
-            // One group of 32 weights `w = s·q + b` (scale and bias per 32).
-            macro_rules! same {
-                ($g:expr, $q:expr, $s:expr, $b:expr) => {{
-                    let g = $g;
-                    let p: __m256i = $product($q, load32(&xq[g * 32..]));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps($s * xd[g]), acc);
-                    bias += $b * (xs[2 * g] + xs[2 * g + 1]);
-                }};
+            out: &mut [f32],
+        ) {
+            // SAFETY: forwarded.
+            unsafe {
+                match rows.len() {
+                    1 => dot_n::<1>(ty, rows, xq, xd, xs, out),
+                    2 => dot_n::<2>(ty, rows, xq, xd, xs, out),
+                    3 => dot_n::<3>(ty, rows, xq, xd, xs, out),
+                    _ => dot_n::<ROWS>(ty, rows, xq, xd, xs, out),
+                }
             }
-            // Stream the row ahead of use: a decode step reads every weight once, from
-            // memory, and the loop's own loads come too late to hide the latency.
-            // Prefetching never faults, so the address may lie past the row.
-            let prefetch = |at: usize| {
-                _mm_prefetch(row.as_ptr().wrapping_add(at) as *const i8, _MM_HINT_T0);
-            };
-            match ty {
-                BlockType::Q4_0 => {
-                    for (g, blk) in row.chunks_exact(18).enumerate() {
-                        prefetch(g * 18 + AHEAD);
+
+            #[inline]
+            #[target_feature(enable = $features)]
+            unsafe fn dot_n<const R: usize>(
+                ty: BlockType,
+                rows: &[&[u8]],
+                xq: &[i8],
+                xd: &[f32],
+                xs: &[f32],
+                out: &mut [f32],
+            ) {
+                let xq = bytemuck_i8(xq);
+                let rows: [&[u8]; R] = std::array::from_fn(|r| rows[r]);
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut bias = [0f32; R];
+                // Stream the rows ahead of use: a decode step reads every weight once, from
+                // memory, and the loop's own loads come too late to hide the latency.
+                // Prefetching never faults, so the address may lie past the row.
+                let prefetch = |row: &[u8], at: usize| {
+                    _mm_prefetch(row.as_ptr().wrapping_add(at) as *const i8, _MM_HINT_T0);
+                };
+                let bb = ty.block_bytes();
+                let blocks = rows[0].len() / bb;
+                // A block type of 32 weights with one scale and bias: `decode(block)` gives
+                // (q, scale, bias).
+                macro_rules! blocks32 {
+                    ($decode:expr) => {{
+                        for g in 0..blocks {
+                            let x = load32(&xq[g * 32..]);
+                            let xsum = xs[2 * g] + xs[2 * g + 1];
+                            for r in 0..R {
+                                prefetch(rows[r], g * bb + AHEAD);
+                                let (q, d, b) = $decode(&rows[r][g * bb..]);
+                                let p: __m256i = $product(q, x);
+                                acc[r] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(p),
+                                    _mm256_set1_ps(d * xd[g]),
+                                    acc[r],
+                                );
+                                bias[r] += b * xsum;
+                            }
+                        }
+                    }};
+                }
+                match ty {
+                    BlockType::Q4_0 => blocks32!(|blk: &[u8]| {
                         let d = f16_at(blk, 0);
-                        same!(g, nibbles(&blk[2..]), d, -8.0 * d);
-                    }
-                }
-                BlockType::Q4_1 => {
-                    for (g, blk) in row.chunks_exact(20).enumerate() {
-                        prefetch(g * 20 + AHEAD);
-                        same!(g, nibbles(&blk[4..]), f16_at(blk, 0), f16_at(blk, 2));
-                    }
-                }
-                BlockType::Q5_0 => {
-                    for (g, blk) in row.chunks_exact(22).enumerate() {
-                        prefetch(g * 22 + AHEAD);
+                        (nibbles(&blk[2..]), d, -8.0 * d)
+                    }),
+                    BlockType::Q4_1 => blocks32!(|blk: &[u8]| {
+                        (nibbles(&blk[4..]), f16_at(blk, 0), f16_at(blk, 2))
+                    }),
+                    BlockType::Q5_0 => blocks32!(|blk: &[u8]| {
                         let d = f16_at(blk, 0);
                         let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                        let q = _mm256_or_si256(nibbles(&blk[6..]), high_bits(qh));
-                        same!(g, q, d, -16.0 * d);
+                        (
+                            _mm256_or_si256(nibbles(&blk[6..]), high_bits(qh)),
+                            d,
+                            -16.0 * d,
+                        )
+                    }),
+                    BlockType::Q8_0 => {
+                        for g in 0..blocks {
+                            let x = load32(&xq[g * 32..]);
+                            for r in 0..R {
+                                let row = rows[r];
+                                prefetch(row, g * bb + AHEAD);
+                                let blk = &row[g * bb..];
+                                let q = load32(&blk[2..]);
+                                let p: __m256i =
+                                    $product(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+                                let s = f16_at(blk, 0) * xd[g];
+                                acc[r] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(p),
+                                    _mm256_set1_ps(s),
+                                    acc[r],
+                                );
+                            }
+                        }
                     }
-                }
-                BlockType::Q8_0 => {
-                    for (g, blk) in row.chunks_exact(34).enumerate() {
-                        prefetch(g * 34 + AHEAD);
-                        let q = load32(&blk[2..]);
-                        let x = load32(&xq[g * 32..]);
-                        let p: __m256i = $product(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-                        let s = f16_at(blk, 0) * xd[g];
-                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc);
+                    BlockType::Q4K => {
+                        let m4 = _mm256_set1_epi8(0x0F);
+                        for sb in 0..blocks {
+                            let mut scales = [[0f32; 8]; R];
+                            let mut mins = [[0f32; 8]; R];
+                            for r in 0..R {
+                                let blk = &rows[r][sb * 144..];
+                                prefetch(rows[r], sb * 144 + AHEAD);
+                                prefetch(rows[r], sb * 144 + AHEAD + 64);
+                                let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
+                                for j in 0..8 {
+                                    let (sc, m) = crate::blocks::scale_min_k4(j, &blk[4..16]);
+                                    scales[r][j] = d * sc as f32;
+                                    mins[r][j] = dmin * m as f32;
+                                }
+                            }
+                            for pair in 0..4 {
+                                let g0 = sb * 8 + 2 * pair;
+                                let x0 = load32(&xq[g0 * 32..]);
+                                let x1 = load32(&xq[g0 * 32 + 32..]);
+                                let (d0, d1) = (xd[g0], xd[g0 + 1]);
+                                let s0 = xs[2 * g0] + xs[2 * g0 + 1];
+                                let s1 = xs[2 * g0 + 2] + xs[2 * g0 + 3];
+                                for r in 0..R {
+                                    let v = load32(&rows[r][sb * 144 + 16 + pair * 32..]);
+                                    let lo = _mm256_and_si256(v, m4);
+                                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                                    let p0: __m256i = $product(lo, x0);
+                                    let p1: __m256i = $product(hi, x1);
+                                    let (sc0, sc1) = (scales[r][2 * pair], scales[r][2 * pair + 1]);
+                                    acc[r] = _mm256_fmadd_ps(
+                                        _mm256_cvtepi32_ps(p0),
+                                        _mm256_set1_ps(sc0 * d0),
+                                        acc[r],
+                                    );
+                                    acc[r] = _mm256_fmadd_ps(
+                                        _mm256_cvtepi32_ps(p1),
+                                        _mm256_set1_ps(sc1 * d1),
+                                        acc[r],
+                                    );
+                                    bias[r] -= mins[r][2 * pair] * s0 + mins[r][2 * pair + 1] * s1;
+                                }
+                            }
+                        }
                     }
-                }
-                BlockType::Q4K => {
-                    let m4 = _mm256_set1_epi8(0x0F);
-                    for (sb, blk) in row.chunks_exact(144).enumerate() {
-                        prefetch(sb * 144 + AHEAD);
-                        prefetch(sb * 144 + AHEAD + 64);
-                        let (d, dmin) = (f16_at(blk, 0), f16_at(blk, 2));
-                        for pair in 0..4 {
-                            let v = load32(&blk[16 + pair * 32..]);
-                            let lo = _mm256_and_si256(v, m4);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                            for (h, q) in [(0, lo), (1, hi)] {
-                                let j = 2 * pair + h;
-                                let (sc, m) = crate::blocks::scale_min_k4(j, &blk[4..16]);
-                                same!(sb * 8 + j, q, d * sc as f32, -dmin * m as f32);
+                    BlockType::Q6K => {
+                        let m4 = _mm256_set1_epi8(0x0F);
+                        let m2 = _mm256_set1_epi8(3);
+                        for sb in 0..blocks {
+                            for r in 0..R {
+                                prefetch(rows[r], sb * 210 + AHEAD);
+                                prefetch(rows[r], sb * 210 + AHEAD + 64);
+                                prefetch(rows[r], sb * 210 + AHEAD + 128);
+                            }
+                            for half in 0..2 {
+                                let gx = sb * 8 + half * 4;
+                                let xv: [__m256i; 4] =
+                                    std::array::from_fn(|k| load32(&xq[(gx + k) * 32..]));
+                                for r in 0..R {
+                                    let blk = &rows[r][sb * 210..];
+                                    let d = f16_at(blk, 208);
+                                    let ql0 = load32(&blk[half * 64..]);
+                                    let ql1 = load32(&blk[half * 64 + 32..]);
+                                    let qh = load32(&blk[128 + half * 32..]);
+                                    let qs = [
+                                        _mm256_or_si256(
+                                            _mm256_and_si256(ql0, m4),
+                                            _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                                        ),
+                                        _mm256_or_si256(
+                                            _mm256_and_si256(ql1, m4),
+                                            _mm256_slli_epi16(
+                                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
+                                                4,
+                                            ),
+                                        ),
+                                        _mm256_or_si256(
+                                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                            _mm256_slli_epi16(
+                                                _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
+                                                4,
+                                            ),
+                                        ),
+                                        _mm256_or_si256(
+                                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                            _mm256_slli_epi16(
+                                                _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
+                                                4,
+                                            ),
+                                        ),
+                                    ];
+                                    for (k, q) in qs.into_iter().enumerate() {
+                                        let g = gx + k;
+                                        let sc = &blk[192 + half * 8 + 2 * k..];
+                                        let (s0, s1) =
+                                            (d * (sc[0] as i8) as f32, d * (sc[1] as i8) as f32);
+                                        let p: __m256i = $product(q, xv[k]);
+                                        let x = xd[g];
+                                        let scale = _mm256_set_m128(
+                                            _mm_set1_ps(s1 * x),
+                                            _mm_set1_ps(s0 * x),
+                                        );
+                                        acc[r] =
+                                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+                                        bias[r] -= 32.0 * (s0 * xs[2 * g] + s1 * xs[2 * g + 1]);
+                                    }
+                                }
                             }
                         }
                     }
                 }
-                BlockType::Q6K => {
-                    let m4 = _mm256_set1_epi8(0x0F);
-                    let m2 = _mm256_set1_epi8(3);
-                    for (sb, blk) in row.chunks_exact(210).enumerate() {
-                        prefetch(sb * 210 + AHEAD);
-                        prefetch(sb * 210 + AHEAD + 64);
-                        prefetch(sb * 210 + AHEAD + 128);
-                        let d = f16_at(blk, 208);
-                        for half in 0..2 {
-                            let ql0 = load32(&blk[half * 64..]);
-                            let ql1 = load32(&blk[half * 64 + 32..]);
-                            let qh = load32(&blk[128 + half * 32..]);
-                            let qs = [
-                                _mm256_or_si256(
-                                    _mm256_and_si256(ql0, m4),
-                                    _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
-                                ),
-                                _mm256_or_si256(
-                                    _mm256_and_si256(ql1, m4),
-                                    _mm256_slli_epi16(
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m2),
-                                        4,
-                                    ),
-                                ),
-                                _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                                    _mm256_slli_epi16(
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 4), m2),
-                                        4,
-                                    ),
-                                ),
-                                _mm256_or_si256(
-                                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                    _mm256_slli_epi16(
-                                        _mm256_and_si256(_mm256_srli_epi16(qh, 6), m2),
-                                        4,
-                                    ),
-                                ),
-                            ];
-                            for (k, q) in qs.into_iter().enumerate() {
-                                let g = sb * 8 + half * 4 + k;
-                                let sc = &blk[192 + half * 8 + 2 * k..];
-                                let (s0, s1) = (d * (sc[0] as i8) as f32, d * (sc[1] as i8) as f32);
-                                let p: __m256i = $product(q, load32(&xq[g * 32..]));
-                                let x = xd[g];
-                                let scale =
-                                    _mm256_set_m128(_mm_set1_ps(s1 * x), _mm_set1_ps(s0 * x));
-                                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc);
-                                bias -= 32.0 * (s0 * xs[2 * g] + s1 * xs[2 * g + 1]);
-                            }
-                        }
-                    }
+                for r in 0..R {
+                    out[r] = hsum(acc[r]) + bias[r];
                 }
             }
-            hsum(acc) + bias
         }
     };
 }

@@ -172,19 +172,27 @@ pub fn matmul_with(
         if t == 1 && isa != Isa::Scalar {
             // One token: decode each block in registers (no unpacked row).
             let (xq, xd, xs) = acts.row(0);
-            for r in start..end {
+            let mut r = start;
+            while r < end {
+                let take = (end - r).min(crate::fused::ROWS);
+                let rows: [&[u8]; crate::fused::ROWS] =
+                    std::array::from_fn(|i| w.row(r + i.min(take - 1)));
+                let mut vals = [0f32; crate::fused::ROWS];
                 // SAFETY: the Isa is available (checked above); the activation row
-                // covers the weight row (both have `cols` values).
-                let v = unsafe {
+                // covers the weight rows (all have `cols` values).
+                unsafe {
                     match isa {
                         Isa::Avx512Vnni if vnni_decodes_faster(w.ty) => {
-                            crate::fused::dot_vnni(w.ty, w.row(r), xq, xd, xs)
+                            crate::fused::dot_vnni(w.ty, &rows[..take], xq, xd, xs, &mut vals)
                         }
-                        _ => crate::fused::dot_avx2(w.ty, w.row(r), xq, xd, xs),
+                        _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
                     }
                 };
-                // SAFETY: as below, disjoint columns per thread.
-                unsafe { *(out_addr as *mut f32).add(r) = v };
+                for (i, v) in vals.iter().enumerate().take(take) {
+                    // SAFETY: as below, disjoint columns per thread.
+                    unsafe { *(out_addr as *mut f32).add(r + i) = *v };
+                }
+                r += take;
             }
             return;
         }
