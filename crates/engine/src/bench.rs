@@ -5,7 +5,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::sampling::argmax;
-use crate::{Engine, Result};
+use crate::{Engine, Result, Session};
 
 /// What to measure.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -80,6 +80,16 @@ impl Engine {
         config: &BenchConfig,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<BenchReport> {
+        self.bench_in(&mut self.session(), config, progress)
+    }
+
+    /// [`Engine::bench`] on a given session (a model split across ranks).
+    pub fn bench_in(
+        &self,
+        session: &mut dyn Session,
+        config: &BenchConfig,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<BenchReport> {
         let vocab = self.model().config().vocab_size as u64;
         // Deterministic, spread-out token ids (a real prompt's ids would do as well).
         let tokens: Vec<u32> = (0..config.pp.max(1) as u64)
@@ -91,9 +101,9 @@ impl Engine {
         let mut generation = Vec::new();
         for run in 0..=config.repeat {
             if config.pp > 0 {
-                let mut cache = self.model().new_cache();
+                session.reset()?;
                 let t = Instant::now();
-                self.prefill(&tokens, &mut cache, config.prefill_chunk)?;
+                self.prefill_in(session, &tokens, config.prefill_chunk)?;
                 let secs = t.elapsed().as_secs_f64();
                 if run > 0 {
                     prompt.push(config.pp as f64 / secs);
@@ -102,11 +112,11 @@ impl Engine {
             done += 1;
             progress(done, total);
             if config.tg > 0 {
-                let mut cache = self.model().new_cache();
+                session.reset()?;
                 let mut next = tokens[0];
                 let t = Instant::now();
                 for _ in 0..config.tg {
-                    let logits = self.model().forward(&[next], &mut cache, false)?;
+                    let logits = session.forward(&[next], false)?;
                     next = argmax(&logits.squeeze(0)?.to_vec1::<f32>()?);
                 }
                 let secs = t.elapsed().as_secs_f64();

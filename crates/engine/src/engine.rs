@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use shoal_model::{KvCache, Model};
 use shoal_tokenizer::{ChatMessage, Tokenizer};
 
-use crate::{EngineError, Result, Sampler, SamplingParams, StopMatcher};
+use crate::{EngineError, LocalSession, Result, Sampler, SamplingParams, Session, StopMatcher};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -117,6 +117,32 @@ impl Engine {
         Ok(())
     }
 
+    /// A fresh sequence on this engine's model.
+    pub fn session(&self) -> LocalSession<'_> {
+        LocalSession::new(&self.model)
+    }
+
+    /// Runs `tokens` through `session` in chunks of at most `chunk` positions; returns the
+    /// logits `(1, vocab)` after the last token.
+    pub fn prefill_in(
+        &self,
+        session: &mut dyn Session,
+        tokens: &[u32],
+        chunk: usize,
+    ) -> Result<Tensor> {
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let chunk = chunk.max(1);
+        let mut logits = None;
+        for (i, piece) in tokens.chunks(chunk).enumerate() {
+            let _span =
+                tracing::debug_span!("prefill_chunk", index = i, tokens = piece.len()).entered();
+            logits = Some(session.forward(piece, false)?);
+        }
+        logits.ok_or(EngineError::EmptyPrompt)
+    }
+
     /// Runs `tokens` through the model in chunks of at most `chunk` positions, appending
     /// to `cache`; returns the logits `(1, vocab)` after the last token.
     pub fn prefill(&self, tokens: &[u32], cache: &mut KvCache, chunk: usize) -> Result<Tensor> {
@@ -147,8 +173,20 @@ impl Engine {
         params: &GenerateParams,
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<Generation> {
+        self.generate_in(&mut self.session(), prompt, params, on_text)
+    }
+
+    /// [`Engine::generate`] on a given session (a model split across ranks); the session
+    /// is reset first.
+    pub fn generate_in(
+        &self,
+        session: &mut dyn Session,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<Generation> {
         self.check_prompt(prompt)?;
-        let mut cache = self.model.new_cache();
+        session.reset()?;
         let mut sampler = Sampler::new(params.sampling.clone());
         let mut stops = StopMatcher::new(&params.stop);
         let mut stream = self.tokenizer.stream();
@@ -156,7 +194,7 @@ impl Engine {
         let mut generated = Vec::new();
         let mut text = String::new();
         let started = Instant::now();
-        let mut logits = self.prefill(prompt, &mut cache, params.prefill_chunk)?;
+        let mut logits = self.prefill_in(session, prompt, params.prefill_chunk)?;
         let prefill_secs = started.elapsed().as_secs_f64();
         let decode_started = Instant::now();
         let budget = params
@@ -189,7 +227,7 @@ impl Engine {
             if generated.len() == budget {
                 break;
             }
-            logits = self.model.forward(&[next], &mut cache, false)?;
+            logits = session.forward(&[next], false)?;
         }
         if finish != FinishReason::Stop {
             let rest = stops.flush();

@@ -11,6 +11,7 @@ mod error;
 mod loader;
 mod sampling;
 mod score;
+mod session;
 mod stop;
 
 pub use bench::{BenchConfig, BenchReport, Stats, peak_rss_bytes};
@@ -19,4 +20,5 @@ pub use error::{EngineError, Result};
 pub use loader::{LoadOptions, gguf_vocab};
 pub use sampling::{Sampler, SamplingParams};
 pub use score::Perplexity;
+pub use session::{LocalSession, Session};
 pub use stop::StopMatcher;

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use shoal_model::{GgufFile, LoadSpec, Model, SafetensorsDir, WeightSource};
+use shoal_model::{GgufFile, LoadSpec, Model, ModelConfig, SafetensorsDir, WeightSource};
 use shoal_tokenizer::{GgufVocab, Tokenizer};
 
 use crate::{Engine, Result};
@@ -49,6 +49,18 @@ pub fn gguf_vocab(file: &GgufFile) -> GgufVocab {
 impl Engine {
     /// Loads the whole model at `path` with its tokenizer.
     pub fn load(path: &Path, options: &LoadOptions) -> Result<Self> {
+        Self::load_part(path, options, &|c: &ModelConfig| {
+            LoadSpec::full(c.num_layers)
+        })
+    }
+
+    /// Loads the part of the model at `path` that `spec` picks (a shard), with the whole
+    /// tokenizer.
+    pub fn load_part(
+        path: &Path,
+        options: &LoadOptions,
+        spec: &dyn Fn(&ModelConfig) -> LoadSpec,
+    ) -> Result<Self> {
         let (source, tokenizer): (Box<dyn WeightSource>, Tokenizer) = if path.is_dir() {
             let dir = SafetensorsDir::open(path)?;
             let tok = Tokenizer::from_hf_dir(path)?;
@@ -71,7 +83,7 @@ impl Engine {
             context,
             "loading model"
         );
-        let model = Model::load(source.as_ref(), LoadSpec::full(config.num_layers), context)?;
+        let model = Model::load(source.as_ref(), spec(&config), context)?;
         Ok(Self::new(model, tokenizer))
     }
 }

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::sampling::argmax;
-use crate::{Engine, EngineError, Result};
+use crate::{Engine, EngineError, Result, Session};
 
 /// The score of a text.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -29,6 +29,18 @@ impl Engine {
         chunk: usize,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Perplexity> {
+        self.perplexity_in(&mut self.session(), text, window, chunk, progress)
+    }
+
+    /// [`Engine::perplexity`] on a given session (a model split across ranks).
+    pub fn perplexity_in(
+        &self,
+        session: &mut dyn Session,
+        text: &str,
+        window: usize,
+        chunk: usize,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Perplexity> {
         let tokens = self.raw_prompt(text)?;
         if tokens.len() < 2 {
             return Err(EngineError::Invalid(
@@ -41,9 +53,9 @@ impl Engine {
         let mut nll = Vec::with_capacity(tokens.len() - 1);
         let mut done = 0;
         for (w, win) in tokens.chunks(window).enumerate() {
-            let mut cache = self.model().new_cache();
+            session.reset()?;
             for (c, piece) in win.chunks(chunk).enumerate() {
-                let logits = self.model().forward(piece, &mut cache, true)?;
+                let logits = session.forward(piece, true)?;
                 let rows = logits.to_vec2::<f32>()?;
                 for (j, row) in rows.iter().enumerate() {
                     let pos = w * window + c * chunk + j;

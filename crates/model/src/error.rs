@@ -30,6 +30,8 @@ pub enum ModelError {
     UnsupportedArchitecture(String),
     #[error("model metadata is missing {0}")]
     MissingMetadata(String),
+    #[error("a peer rank failed: {0}")]
+    Link(String),
     #[error("model has no tensor {0}")]
     MissingTensor(String),
     #[error("tensor {name} has shape {actual:?}, expected {expected:?}")]

@@ -15,6 +15,8 @@ mod error;
 pub mod gguf;
 mod linear;
 mod safetensors;
+mod shard;
+pub mod synthetic;
 mod transformer;
 mod weights;
 
@@ -24,6 +26,7 @@ pub use error::{ModelError, Result, candle_message};
 pub use gguf::GgufFile;
 pub use linear::{KernelChoice, QLinear};
 pub use safetensors::SafetensorsDir;
+pub use shard::{ShardLinks, TensorSlice, tensor_slices};
 pub use transformer::{LoadSpec, Model};
 pub use weights::{Weight, WeightSource};
 

@@ -9,18 +9,22 @@ use std::sync::Arc;
 use shoal_kernels::QuantMatrix;
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
+use crate::shard::{ShardLinks, TensorSlice, slice_bias, slice_cols, slice_rows};
 use crate::{
     Architecture, KvCache, ModelConfig, ModelError, QLinear, Result, RopeStyle, Weight,
     WeightSource,
 };
 
 /// Which parts of a model a process holds: the embedding, a contiguous range of decoder
-/// layers, the head. A whole model is `LoadSpec::full(n_layers)`.
+/// layers, the head, and, for tensor parallelism, which slice of every layer. A whole
+/// model is `LoadSpec::full(n_layers)`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LoadSpec {
     pub embed: bool,
     pub layers: Range<usize>,
     pub head: bool,
+    /// `None`: whole layers. `Some`: this rank's KV groups and FFN columns.
+    pub tensor: Option<TensorSlice>,
 }
 
 impl LoadSpec {
@@ -29,8 +33,17 @@ impl LoadSpec {
             embed: true,
             layers: 0..num_layers,
             head: true,
+            tensor: None,
         }
     }
+}
+
+/// How a projection is cut for this shard.
+#[derive(Clone, Debug)]
+enum Cut {
+    Whole,
+    Rows(Range<usize>),
+    Cols(Range<usize>),
 }
 
 #[derive(Debug, Clone)]
@@ -167,6 +180,7 @@ fn linear(
     out_features: usize,
     in_features: usize,
     bias: bool,
+    cut: Cut,
 ) -> Result<QLinear> {
     let name = format!("{prefix}.weight");
     let w = require(source, &name)?;
@@ -175,6 +189,22 @@ fn linear(
         Some(require(source, &format!("{prefix}.bias"))?.to_f32()?)
     } else {
         None
+    };
+    let (w, b) = match cut {
+        Cut::Whole => (w, b),
+        Cut::Rows(r) => {
+            let b = b.map(|b| slice_bias(&b, r.clone())).transpose()?;
+            (slice_rows(&w, r)?, b)
+        }
+        Cut::Cols(r) => {
+            if b.is_some() {
+                // Every rank would add it to its partial sum.
+                return Err(ModelError::Invalid(format!(
+                    "{prefix} has a bias and cannot be split by columns"
+                )));
+            }
+            (slice_cols(&w, r)?, None)
+        }
     };
     QLinear::new(w, b)
 }
@@ -218,6 +248,32 @@ impl Model {
         };
         let q_out = c.num_heads * c.head_dim;
         let kv_out = c.num_kv_heads * c.head_dim;
+        let g = c.group_size();
+        let hd = c.head_dim;
+        if let Some(t) = &spec.tensor
+            && (t.kv_heads.is_empty()
+                || t.kv_heads.end > c.num_kv_heads
+                || t.ffn.is_empty()
+                || t.ffn.end > c.ffn_size)
+        {
+            return Err(ModelError::Invalid(format!(
+                "tensor slice {t:?} does not fit {} KV heads and {} FFN columns",
+                c.num_kv_heads, c.ffn_size
+            )));
+        }
+        let (q_cut, kv_cut, o_cut, ffn_rows, ffn_cols) = match &spec.tensor {
+            None => (Cut::Whole, Cut::Whole, Cut::Whole, Cut::Whole, Cut::Whole),
+            Some(t) => {
+                let q = t.kv_heads.start * g * hd..t.kv_heads.end * g * hd;
+                (
+                    Cut::Rows(q.clone()),
+                    Cut::Rows(t.kv_heads.start * hd..t.kv_heads.end * hd),
+                    Cut::Cols(q),
+                    Cut::Rows(t.ffn.clone()),
+                    Cut::Cols(t.ffn.clone()),
+                )
+            }
+        };
         let bias = c.architecture.has_qkv_bias();
         let mut layers = Vec::with_capacity(spec.layers.len());
         for i in spec.layers.clone() {
@@ -244,15 +300,37 @@ impl Model {
                     c.rms_eps,
                 )?,
                 attn: Attention {
-                    q: linear(source, &format!("{p}.attn_q"), q_out, c.hidden_size, bias)?,
-                    k: linear(source, &format!("{p}.attn_k"), kv_out, c.hidden_size, bias)?,
-                    v: linear(source, &format!("{p}.attn_v"), kv_out, c.hidden_size, bias)?,
+                    q: linear(
+                        source,
+                        &format!("{p}.attn_q"),
+                        q_out,
+                        c.hidden_size,
+                        bias,
+                        q_cut.clone(),
+                    )?,
+                    k: linear(
+                        source,
+                        &format!("{p}.attn_k"),
+                        kv_out,
+                        c.hidden_size,
+                        bias,
+                        kv_cut.clone(),
+                    )?,
+                    v: linear(
+                        source,
+                        &format!("{p}.attn_v"),
+                        kv_out,
+                        c.hidden_size,
+                        bias,
+                        kv_cut.clone(),
+                    )?,
                     o: linear(
                         source,
                         &format!("{p}.attn_output"),
                         c.hidden_size,
                         q_out,
                         false,
+                        o_cut.clone(),
                     )?,
                     q_norm: qk_norm("attn_q_norm")?,
                     k_norm: qk_norm("attn_k_norm")?,
@@ -269,6 +347,7 @@ impl Model {
                     c.ffn_size,
                     c.hidden_size,
                     false,
+                    ffn_rows.clone(),
                 )?,
                 up: linear(
                     source,
@@ -276,6 +355,7 @@ impl Model {
                     c.ffn_size,
                     c.hidden_size,
                     false,
+                    ffn_rows.clone(),
                 )?,
                 down: linear(
                     source,
@@ -283,6 +363,7 @@ impl Model {
                     c.hidden_size,
                     c.ffn_size,
                     false,
+                    ffn_cols.clone(),
                 )?,
             });
         }
@@ -370,6 +451,24 @@ impl Model {
     /// Runs this model's decoder layers over hidden states `(t, hidden)` of the positions
     /// `cache.len()..cache.len() + t`, appending their keys and values to `cache`.
     pub fn forward_layers(&self, hidden: Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        self.forward_layers_with(hidden, cache, None)
+    }
+
+    /// [`Model::forward_layers`] for a tensor-parallel shard: `links` adds up the partial
+    /// outputs of the ranks (two all-reduces per layer). Every rank must call it with the
+    /// same hidden states.
+    pub fn forward_layers_with(
+        &self,
+        hidden: Tensor,
+        cache: &mut KvCache,
+        links: Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        let mut links = links;
+        if self.spec.tensor.is_some() && links.is_none() {
+            return Err(ModelError::Invalid(
+                "a tensor-parallel shard needs links to its peers".into(),
+            ));
+        }
         let t = hidden.dim(0)?;
         let pos = cache.len();
         if pos + t > self.max_len {
@@ -382,7 +481,7 @@ impl Model {
         let mask = causal_mask(t, pos, self.config.group_size())?;
         let mut x = hidden;
         for layer in &self.layers {
-            x = self.layer_forward(layer, &x, cache, pos, mask.as_ref())?;
+            x = self.layer_forward(layer, &x, cache, pos, mask.as_ref(), &mut links)?;
         }
         cache.advance(t);
         Ok(x)
@@ -395,10 +494,16 @@ impl Model {
         cache: &mut KvCache,
         pos: usize,
         mask: Option<&Tensor>,
+        links: &mut Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
         let c = &self.config;
         let t = x.dim(0)?;
-        let (hd, nh, nkv) = (c.head_dim, c.num_heads, c.num_kv_heads);
+        let hd = c.head_dim;
+        let nkv = match &self.spec.tensor {
+            Some(s) => s.kv_heads.len(),
+            None => c.num_kv_heads,
+        };
+        let nh = nkv * c.group_size();
         let h = layer.attn_norm.forward(x)?;
         let a = &layer.attn;
         // (t, heads * hd) -> (heads, t, hd)
@@ -434,10 +539,10 @@ impl Model {
             .transpose(0, 1)?
             .contiguous()?
             .reshape((t, nh * hd))?;
-        let x = (x + a.o.forward(&out)?)?;
+        let x = (x + reduce(a.o.forward(&out)?, links)?)?;
         let h = layer.ffn_norm.forward(&x)?;
         let ff = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
-        Ok((x + layer.down.forward(&ff)?)?)
+        Ok((x + reduce(layer.down.forward(&ff)?, links)?)?)
     }
 
     /// Final norm and logits `(t, vocab)` for hidden states `(t, hidden)`.
@@ -467,6 +572,17 @@ impl Model {
     pub fn architecture(&self) -> Architecture {
         self.config.architecture
     }
+}
+
+/// The sum of every rank's partial output `y` (tensor parallelism), or `y` itself.
+fn reduce(y: Tensor, links: &mut Option<&mut dyn ShardLinks>) -> Result<Tensor> {
+    let Some(links) = links.as_mut() else {
+        return Ok(y);
+    };
+    let dims = y.dims().to_vec();
+    let mut v = y.flatten_all()?.to_vec1::<f32>()?;
+    links.all_reduce_sum(&mut v)?;
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
 }
 
 /// Additive causal mask `(group * t, pos + t)` for queries at `pos..pos + t`, laid out as

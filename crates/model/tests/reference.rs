@@ -598,6 +598,7 @@ fn a_layer_range_shard_continues_where_the_previous_left_off() {
             embed: true,
             layers: 0..1,
             head: false,
+            tensor: None,
         },
         64,
     )
@@ -608,6 +609,7 @@ fn a_layer_range_shard_continues_where_the_previous_left_off() {
             embed: false,
             layers: 1..n,
             head: true,
+            tensor: None,
         },
         64,
     )

@@ -1,0 +1,1 @@
+//! Starting the ranks of an instance as local processes.

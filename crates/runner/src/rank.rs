@@ -1,0 +1,268 @@
+//! The program every rank runs: one compute thread executing rank 0's steps, the tensor
+//! work and the collectives in the same order on every rank.
+
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+use shoal_collectives::{CollectiveError, Group, Transport, f32s_from_bytes, f32s_to_bytes};
+use shoal_model::{KvCache, Model, ModelError, ShardLinks};
+
+use crate::shard::{ShardSpec, Strategy};
+use crate::step::Step;
+
+/// Why a rank stopped or a step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RankError {
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("tensor operation failed: {0}")]
+    Tensor(String),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("cannot split the model: {0}")]
+    Plan(String),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+impl From<candle_core::Error> for RankError {
+    fn from(e: candle_core::Error) -> Self {
+        Self::Tensor(shoal_model::candle_message(&e))
+    }
+}
+
+pub type Result<T, E = RankError> = std::result::Result<T, E>;
+
+/// How long a rank other than 0 waits for the next step. Long: a rank is idle between
+/// requests; a dead or frozen rank 0 is still noticed in seconds by the heartbeats.
+pub const IDLE_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// One rank of a model instance: its shard, its sequence's KV cache, its links.
+pub struct Rank<T: Transport> {
+    spec: ShardSpec,
+    model: Model,
+    cache: KvCache,
+    group: Group<T>,
+}
+
+/// The model's view of the rank's links.
+struct Links<'a, T: Transport>(&'a mut Group<T>);
+
+fn link_err(e: CollectiveError) -> ModelError {
+    ModelError::Link(e.to_string())
+}
+
+impl<T: Transport> ShardLinks for Links<'_, T> {
+    fn all_reduce_sum(&mut self, data: &mut [f32]) -> shoal_model::Result<()> {
+        self.0.all_reduce_sum(data).map_err(link_err)
+    }
+
+    fn ring_send(&mut self, data: &[f32]) -> shoal_model::Result<()> {
+        let next = (self.0.rank() + 1) % self.0.world();
+        self.0.send(next, &f32s_to_bytes(data)).map_err(link_err)
+    }
+
+    fn ring_recv(&mut self) -> shoal_model::Result<Vec<f32>> {
+        let world = self.0.world();
+        let prev = (self.0.rank() + world - 1) % world;
+        let b = self.0.recv(prev).map_err(link_err)?;
+        f32s_from_bytes(&b).map_err(|e| ModelError::Link(format!("rank {prev}: {e}")))
+    }
+
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.0.world()
+    }
+}
+
+fn to_tensor(bytes: &[u8], rows: usize, cols: usize, from: usize) -> Result<Tensor> {
+    let v = f32s_from_bytes(bytes).map_err(|e| RankError::Protocol(format!("rank {from}: {e}")))?;
+    if v.len() != rows * cols {
+        return Err(RankError::Protocol(format!(
+            "rank {from} sent {} values, expected {rows}×{cols}",
+            v.len()
+        )));
+    }
+    Ok(Tensor::from_vec(v, (rows, cols), &Device::Cpu)?)
+}
+
+fn to_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    Ok(f32s_to_bytes(&t.flatten_all()?.to_vec1::<f32>()?))
+}
+
+impl<T: Transport> Rank<T> {
+    pub fn new(spec: ShardSpec, model: Model, group: Group<T>) -> Result<Self> {
+        if group.rank() != spec.rank || group.world() != spec.world {
+            return Err(RankError::Plan(format!(
+                "shard {} of {} on link rank {} of {}",
+                spec.rank,
+                spec.world,
+                group.rank(),
+                group.world()
+            )));
+        }
+        let cache = model.new_cache();
+        Ok(Self {
+            spec,
+            model,
+            cache,
+            group,
+        })
+    }
+
+    pub fn spec(&self) -> &ShardSpec {
+        &self.spec
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Positions the sequence holds.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+
+    /// Rank 0: checks the step, tells every rank, and executes it; returns the logits of
+    /// a forward step.
+    pub fn lead(&mut self, step: &Step) -> Result<Option<Tensor>> {
+        if self.spec.rank != 0 {
+            return Err(RankError::Protocol("only rank 0 leads".into()));
+        }
+        // Refuse bad input here, before any rank starts: every rank would fail alike,
+        // and a failed rank leaves the instance.
+        if let Step::Forward { tokens, .. } = step {
+            let vocab = self.model.config().vocab_size;
+            if tokens.is_empty() {
+                return Err(RankError::Invalid("no tokens to run".into()));
+            }
+            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(RankError::Invalid(format!(
+                    "token id {bad} is outside the vocabulary of {vocab}"
+                )));
+            }
+            if self.cache.len() + tokens.len() > self.model.max_len() {
+                return Err(RankError::Invalid(format!(
+                    "sequence of {} positions exceeds the context of {}",
+                    self.cache.len() + tokens.len(),
+                    self.model.max_len()
+                )));
+            }
+        }
+        let mut bytes = step.encode();
+        self.group.broadcast(0, &mut bytes)?;
+        self.execute(step)
+    }
+
+    /// Ranks other than 0: executes rank 0's steps until it says to shut down. Any
+    /// failure ends the loop with an error (the instance is broken; the caller exits).
+    pub fn follow(&mut self) -> Result<()> {
+        loop {
+            let mut bytes = Vec::new();
+            self.group.broadcast_within(0, &mut bytes, IDLE_WAIT)?;
+            let step = Step::decode(&bytes)
+                .map_err(|e| RankError::Protocol(format!("rank 0 sent a bad step: {e}")))?;
+            if step == Step::Shutdown {
+                tracing::info!(rank = self.spec.rank, "shutting down");
+                return Ok(());
+            }
+            self.execute(&step)?;
+        }
+    }
+
+    fn execute(&mut self, step: &Step) -> Result<Option<Tensor>> {
+        match step {
+            Step::Forward { tokens, all_logits } => {
+                let _span = tracing::debug_span!(
+                    "step",
+                    rank = self.spec.rank,
+                    tokens = tokens.len(),
+                    pos = self.cache.len()
+                )
+                .entered();
+                match self.spec.strategy {
+                    Strategy::Pipeline => self.forward_pipeline(tokens, *all_logits),
+                    Strategy::Tensor => self.forward_tensor(tokens, *all_logits),
+                    Strategy::Sequence => self.forward_sequence(tokens, *all_logits),
+                }
+            }
+            Step::Reset => {
+                self.cache.clear();
+                Ok(None)
+            }
+            Step::Shutdown => Ok(None),
+        }
+    }
+
+    fn head(&self, h: Tensor, all_logits: bool) -> Result<Tensor> {
+        let t = h.dim(0)?;
+        let h = if all_logits {
+            h
+        } else {
+            h.narrow(0, t - 1, 1)?
+        };
+        Ok(self.model.head(&h)?)
+    }
+
+    /// Hidden states flow rank 0 → 1 → … → last; the last rank computes the logits and
+    /// returns them to rank 0.
+    fn forward_pipeline(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
+        let (r, n) = (self.spec.rank, self.spec.world);
+        let t = tokens.len();
+        let hidden = self.model.config().hidden_size;
+        let vocab = self.model.config().vocab_size;
+        let h = if r == 0 {
+            self.model.embed(tokens)?
+        } else {
+            let b = self.group.recv(r - 1)?;
+            to_tensor(&b, t, hidden, r - 1)?
+        };
+        let h = self.model.forward_layers(h, &mut self.cache)?;
+        if r + 1 < n {
+            self.group.send(r + 1, &to_bytes(&h)?)?;
+        } else {
+            let logits = self.head(h, all_logits)?;
+            if r == 0 {
+                return Ok(Some(logits));
+            }
+            self.group.send(0, &to_bytes(&logits)?)?;
+            return Ok(None);
+        }
+        if r == 0 {
+            let b = self.group.recv(n - 1)?;
+            let rows = if all_logits { t } else { 1 };
+            return Ok(Some(to_tensor(&b, rows, vocab, n - 1)?));
+        }
+        Ok(None)
+    }
+
+    /// Every rank runs its slice of every layer on the same hidden states; the partial
+    /// outputs are summed by all-reduces inside the layers. Rank 0 holds the head.
+    fn forward_tensor(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
+        let h = self.model.embed(tokens)?;
+        let mut links = Links(&mut self.group);
+        let h = self
+            .model
+            .forward_layers_with(h, &mut self.cache, Some(&mut links))?;
+        if self.spec.rank == 0 {
+            return Ok(Some(self.head(h, all_logits)?));
+        }
+        Ok(None)
+    }
+
+    fn forward_sequence(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
+        let _ = (tokens, all_logits);
+        Err(RankError::Plan(
+            "sequence parallelism is not available yet".into(),
+        ))
+    }
+}
