@@ -55,6 +55,24 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
+    /// The keys and values `(num_kv_heads, len, head_dim)` stored for `layer`, if any.
+    pub(crate) fn stored(&self, layer: usize) -> Result<Option<(Tensor, Tensor)>> {
+        if self.len == 0 {
+            return Ok(None);
+        }
+        let slot = layer
+            .checked_sub(self.first_layer)
+            .and_then(|i| self.layers.get(i))
+            .and_then(|s| s.as_ref());
+        match slot {
+            Some(l) => Ok(Some((
+                l.k.narrow(1, 0, self.len)?,
+                l.v.narrow(1, 0, self.len)?,
+            ))),
+            None => Ok(None),
+        }
+    }
+
     /// Bytes the cache holds now.
     pub fn size_in_bytes(&self) -> usize {
         self.layers

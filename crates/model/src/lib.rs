@@ -27,7 +27,7 @@ pub use gguf::GgufFile;
 pub use linear::{KernelChoice, QLinear};
 pub use safetensors::SafetensorsDir;
 pub use shard::{ShardLinks, TensorSlice, tensor_slices};
-pub use transformer::{LoadSpec, Model};
+pub use transformer::{LoadSpec, Model, zigzag_pieces};
 pub use weights::{Weight, WeightSource};
 
 pub use candle_core::{Device, Tensor};

@@ -9,6 +9,10 @@ use std::sync::Arc;
 use shoal_kernels::QuantMatrix;
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
+mod ring;
+
+pub use ring::zigzag_pieces;
+
 use crate::shard::{ShardLinks, TensorSlice, slice_bias, slice_cols, slice_rows};
 use crate::{
     Architecture, KvCache, ModelConfig, ModelError, QLinear, Result, RopeStyle, Weight,
@@ -487,23 +491,27 @@ impl Model {
         Ok(x)
     }
 
-    fn layer_forward(
-        &self,
-        layer: &DecoderLayer,
-        x: &Tensor,
-        cache: &mut KvCache,
-        pos: usize,
-        mask: Option<&Tensor>,
-        links: &mut Option<&mut dyn ShardLinks>,
-    ) -> Result<Tensor> {
+    /// Heads of this shard: (query heads, KV heads).
+    fn local_heads(&self) -> (usize, usize) {
         let c = &self.config;
-        let t = x.dim(0)?;
-        let hd = c.head_dim;
         let nkv = match &self.spec.tensor {
             Some(s) => s.kv_heads.len(),
             None => c.num_kv_heads,
         };
-        let nh = nkv * c.group_size();
+        (nkv * c.group_size(), nkv)
+    }
+
+    /// Queries, keys and values `(heads, t, head_dim)` of hidden states `x` whose rows sit
+    /// at the positions of `pieces` (consecutive runs, in row order), rope applied.
+    fn project_qkv(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        pieces: &[Range<usize>],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = x.dim(0)?;
+        let hd = self.config.head_dim;
+        let (nh, nkv) = self.local_heads();
         let h = layer.attn_norm.forward(x)?;
         let a = &layer.attn;
         // (t, heads * hd) -> (heads, t, hd)
@@ -519,8 +527,50 @@ impl Model {
         if let Some(n) = &a.k_norm {
             k = n.forward(&k)?;
         }
-        let q = self.rope.apply(&q, pos)?;
-        let k = self.rope.apply(&k, pos)?;
+        let rope = |x: &Tensor| -> Result<Tensor> {
+            if let [only] = pieces {
+                return self.rope.apply(x, only.start);
+            }
+            let mut parts = Vec::with_capacity(pieces.len());
+            let mut row = 0;
+            for p in pieces {
+                parts.push(self.rope.apply(&x.narrow(1, row, p.len())?, p.start)?);
+                row += p.len();
+            }
+            Ok(Tensor::cat(&parts, 1)?)
+        };
+        Ok((rope(&q)?, rope(&k)?, v))
+    }
+
+    /// The output projection, the residual and the FFN, given the attention output
+    /// `(t, heads * head_dim)`.
+    fn finish_layer(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        attn: &Tensor,
+        links: &mut Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        let x = (x + reduce(layer.attn.o.forward(attn)?, links)?)?;
+        let h = layer.ffn_norm.forward(&x)?;
+        let ff = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
+        Ok((x + reduce(layer.down.forward(&ff)?, links)?)?)
+    }
+
+    fn layer_forward(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        cache: &mut KvCache,
+        pos: usize,
+        mask: Option<&Tensor>,
+        links: &mut Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let t = x.dim(0)?;
+        let hd = c.head_dim;
+        let (nh, nkv) = self.local_heads();
+        let (q, k, v) = self.project_qkv(layer, x, &[pos..pos + t])?;
         let (k_all, v_all) = cache.append(layer.index, &k, &v)?;
         // Grouped-query attention without copying K/V: the query heads of one KV group
         // are adjacent, so (nh, t, hd) is (nkv, group * t, hd).
@@ -539,10 +589,7 @@ impl Model {
             .transpose(0, 1)?
             .contiguous()?
             .reshape((t, nh * hd))?;
-        let x = (x + reduce(a.o.forward(&out)?, links)?)?;
-        let h = layer.ffn_norm.forward(&x)?;
-        let ff = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
-        Ok((x + reduce(layer.down.forward(&ff)?, links)?)?)
+        self.finish_layer(layer, x, &out, links)
     }
 
     /// Final norm and logits `(t, vocab)` for hidden states `(t, hidden)`.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use shoal_collectives::{CollectiveError, Group, Transport, f32s_from_bytes, f32s_to_bytes};
-use shoal_model::{KvCache, Model, ModelError, ShardLinks};
+use shoal_model::{KvCache, Model, ModelError, ShardLinks, zigzag_pieces};
 
 use crate::shard::{ShardSpec, Strategy};
 use crate::step::Step;
@@ -259,10 +259,69 @@ impl<T: Transport> Rank<T> {
         Ok(None)
     }
 
+    /// Chunks of at least two positions per piece run as ring attention: every rank
+    /// computes its zigzag pieces and the KV blocks travel around the ring. Shorter
+    /// steps (decode) run on every rank alike, without communication: the caches are
+    /// whole and identical on every rank.
     fn forward_sequence(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
-        let _ = (tokens, all_logits);
-        Err(RankError::Plan(
-            "sequence parallelism is not available yet".into(),
-        ))
+        let (r, n) = (self.spec.rank, self.spec.world);
+        let t = tokens.len();
+        if n == 1 || t < 2 * n {
+            let h = self.model.embed(tokens)?;
+            let h = self.model.forward_layers(h, &mut self.cache)?;
+            return Ok(if r == 0 {
+                Some(self.head(h, all_logits)?)
+            } else {
+                None
+            });
+        }
+        let start = self.cache.len();
+        let pieces = zigzag_pieces(start, t, r, n);
+        let mine: Vec<u32> = pieces
+            .iter()
+            .flat_map(|p| tokens[p.start - start..p.end - start].iter().copied())
+            .collect();
+        let h = self.model.embed(&mine)?;
+        let mut links = Links(&mut self.group);
+        let h = self
+            .model
+            .forward_layers_ring(h, &pieces, t, &mut self.cache, &mut links)?;
+        if !all_logits {
+            // The last position is in the last piece, which rank 0 holds.
+            return Ok(if r == 0 {
+                Some(self.head(h, false)?)
+            } else {
+                None
+            });
+        }
+        let logits = self.model.head(&h)?;
+        if r != 0 {
+            self.group.send(0, &to_bytes(&logits)?)?;
+            return Ok(None);
+        }
+        let vocab = self.model.config().vocab_size;
+        let mut rows: Vec<Option<Tensor>> = vec![None; t];
+        let mut place = |pieces: &[std::ops::Range<usize>], logits: &Tensor| -> Result<()> {
+            let mut i = 0;
+            for p in pieces {
+                for pos in p.clone() {
+                    rows[pos - start] = Some(logits.narrow(0, i, 1)?);
+                    i += 1;
+                }
+            }
+            Ok(())
+        };
+        place(&pieces, &logits)?;
+        for peer in 1..n {
+            let theirs = zigzag_pieces(start, t, peer, n);
+            let count: usize = theirs.iter().map(|p| p.len()).sum();
+            let b = self.group.recv(peer)?;
+            place(&theirs, &to_tensor(&b, count, vocab, peer)?)?;
+        }
+        let rows: Vec<Tensor> = rows
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| RankError::Protocol("a position's logits are missing".into()))?;
+        Ok(Some(Tensor::cat(&rows, 0)?))
     }
 }

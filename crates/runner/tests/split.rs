@@ -135,14 +135,18 @@ fn check(strategy: Strategy) {
             for world in [2, 3] {
                 let got = split(&path, strategy, world, &tokens);
                 let what = format!("{strategy} {world} ranks {} {dtype:?}", arch.name());
-                // Tensor parallelism sums partial products in another order. With f32
-                // weights that is rounding (1e-4); with quantized ones the activations
-                // are rounded to 8 bits before each product, and a last-bit difference
-                // can move one value by a quantization step (1/127 of its block's
-                // largest), which shows in the logits at the 1% level.
+                // Tensor parallelism sums partial products in another order, and the
+                // sequence strategy runs other batch sizes (whose attention sums round
+                // differently). With f32 weights that is rounding (1e-4). With quantized
+                // weights the activations are rounded to 8 bits before each product, so
+                // a last-bit difference can move a value by a whole quantization step;
+                // on these random models that shows in the logits at the 1% level, with
+                // candle's kernels as with shoal's (one process running the same tokens
+                // as 8 + 8 instead of 16 differs as much). Pipeline runs the very same
+                // operations and must match exactly.
                 let tolerance = match (strategy, dtype) {
-                    (Strategy::Tensor, GgmlDType::Q8_0) => 3e-2,
-                    _ => 1e-4,
+                    (Strategy::Pipeline, _) | (_, GgmlDType::F32) => 1e-4,
+                    _ => 3e-2,
                 };
                 compare(&what, &want, &got, tolerance);
             }
@@ -158,6 +162,11 @@ fn pipeline_matches_one_process() {
 #[test]
 fn tensor_matches_one_process() {
     check(Strategy::Tensor);
+}
+
+#[test]
+fn sequence_matches_one_process() {
+    check(Strategy::Sequence);
 }
 
 #[test]
