@@ -570,7 +570,8 @@ impl Model {
         let t = x.dim(0)?;
         let hd = c.head_dim;
         let (nh, nkv) = self.local_heads();
-        let (q, k, v) = self.project_qkv(layer, x, &[pos..pos + t])?;
+        let whole = pos..pos + t;
+        let (q, k, v) = self.project_qkv(layer, x, std::slice::from_ref(&whole))?;
         let (k_all, v_all) = cache.append(layer.index, &k, &v)?;
         // Grouped-query attention without copying K/V: the query heads of one KV group
         // are adjacent, so (nh, t, hd) is (nkv, group * t, hd).
