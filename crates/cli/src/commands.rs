@@ -2,11 +2,18 @@
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use shoal_engine::{BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams};
+use shoal_collectives::Group;
+use shoal_collectives::tcp::{TcpConfig, TcpTransport};
+use shoal_engine::{
+    BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
+};
+use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks};
+use shoal_runner::{Rank, SplitSession, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
 use shoal_tokenizer::ChatMessage;
 
@@ -39,6 +46,10 @@ enum Command {
     Bench(BenchArgs),
     /// Score a text file: perplexity and the arg-max prediction at every position.
     Perplexity(PerplexityArgs),
+    /// One rank of a split model (started by `--ranks N`; the instance token comes in
+    /// SHOAL_INSTANCE_TOKEN).
+    #[command(hide = true)]
+    Rank(RankArgs),
     /// Print the token ids of a text.
     Tokenize {
         #[command(flatten)]
@@ -55,9 +66,40 @@ struct ModelArgs {
     /// Context length to serve (default: the model's, at most 8192).
     #[arg(long)]
     ctx: Option<usize>,
-    /// Compute threads (default: every core).
+    /// Compute threads (default: every core; with --ranks, the cores shared out).
     #[arg(long, short = 't')]
     threads: Option<usize>,
+    /// Split the model across this many local processes.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// How to split it: pipeline (layer ranges), tensor (slices of every layer) or
+    /// sequence (ring attention over the prompt).
+    #[arg(long, default_value = "tensor")]
+    strategy: Strategy,
+    /// Seconds one collective operation between ranks may wait.
+    #[arg(long, default_value_t = 120.0)]
+    rank_timeout: f64,
+}
+
+#[derive(Args, Debug)]
+struct RankArgs {
+    /// This process's rank (1 and up; rank 0 is the process that started it).
+    #[arg(long)]
+    rank: usize,
+    /// Every rank's address, by rank, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    addrs: Vec<std::net::SocketAddr>,
+    /// The model file or directory.
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    strategy: Strategy,
+    #[arg(long)]
+    ctx: Option<usize>,
+    #[arg(long, short = 't')]
+    threads: Option<usize>,
+    #[arg(long, default_value_t = 120.0)]
+    rank_timeout: f64,
 }
 
 #[derive(Args, Debug)]
@@ -149,6 +191,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Models { json } => models(json),
         Command::Bench(args) => bench(args),
         Command::Perplexity(args) => perplexity(args),
+        Command::Rank(args) => serve_rank(args),
         Command::Tokenize { model, text } => {
             let engine = load(&model)?;
             let ids = engine.tokenizer().encode(&text, false)?;
@@ -182,11 +225,104 @@ fn load(args: &ModelArgs) -> Result<Engine> {
     Engine::load(&path, &options).with_context(|| format!("cannot load {}", path.display()))
 }
 
+/// A model ready to compute: in this process, or split across local rank processes
+/// that this process leads as rank 0.
+struct Loaded {
+    engine: Engine,
+    split: Option<(SplitSession<TcpTransport>, LocalRanks)>,
+}
+
+impl Loaded {
+    fn open(args: &ModelArgs) -> Result<Self> {
+        if args.ranks <= 1 {
+            return Ok(Self {
+                engine: load(args)?,
+                split: None,
+            });
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = args.threads.unwrap_or((cores / args.ranks).max(1));
+        set_threads(Some(threads));
+        let store = Store::from_env();
+        let path = store.resolve_or_pull(&args.model)?;
+        let config = model_config(&path).with_context(|| format!("cannot load {}", path.display()))?;
+        let specs = plan(&config, args.strategy, args.ranks)?;
+        let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
+        let launch = Launch {
+            exe: std::env::current_exe().context("cannot find the shoal executable")?,
+            model: path.clone(),
+            strategy: args.strategy,
+            world: args.ranks,
+            context: args.ctx,
+            threads,
+            deadline,
+        };
+        let (transport, ranks) = launch_ranks(&launch)?;
+        let spec = specs[0].clone();
+        let options = LoadOptions {
+            context_length: args.ctx,
+        };
+        let load = spec.load.clone();
+        let engine = Engine::load_part(&path, &options, &move |_| load.clone())
+            .with_context(|| format!("cannot load {}", path.display()))?;
+        let rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
+        tracing::info!(ranks = args.ranks, strategy = %args.strategy, "model split across local processes");
+        Ok(Self {
+            engine,
+            split: Some((SplitSession::new(rank), ranks)),
+        })
+    }
+
+    fn with_session<R>(&mut self, f: impl FnOnce(&Engine, &mut dyn Session) -> R) -> R {
+        match &mut self.split {
+            Some((session, _)) => f(&self.engine, session),
+            None => f(&self.engine, &mut self.engine.session()),
+        }
+    }
+
+    /// Tells the other ranks to leave and waits for them.
+    fn close(self) -> Result<()> {
+        if let Some((session, ranks)) = self.split {
+            let result = session.shutdown();
+            drop(ranks);
+            result?;
+        }
+        Ok(())
+    }
+}
+
+fn serve_rank(args: RankArgs) -> Result<()> {
+    set_threads(args.threads);
+    let token = std::env::var(TOKEN_ENV).with_context(|| format!("{TOKEN_ENV} is not set"))?;
+    let world = args.addrs.len();
+    let addr = *args
+        .addrs
+        .get(args.rank)
+        .with_context(|| format!("rank {} of {world} addresses", args.rank))?;
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    let transport = TcpTransport::connect(&TcpConfig::new(args.rank, args.addrs.clone(), token), listener)?;
+    let config = model_config(&args.model)?;
+    let spec = plan(&config, args.strategy, world)?
+        .into_iter()
+        .nth(args.rank)
+        .context("no shard for this rank")?;
+    let options = LoadOptions {
+        context_length: args.ctx,
+    };
+    let load = spec.load.clone();
+    let engine = Engine::load_part(&args.model, &options, &move |_| load.clone())?;
+    let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
+    let mut rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
+    rank.follow().with_context(|| format!("rank {}", args.rank))?;
+    Ok(())
+}
+
 fn run_prompt(args: RunArgs) -> Result<()> {
     if !args.interactive && args.prompt.is_none() {
         bail!("give a prompt, or -i for an interactive chat");
     }
-    let engine = load(&args.model)?;
+    let mut loaded = Loaded::open(&args.model)?;
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
@@ -208,13 +344,17 @@ fn run_prompt(args: RunArgs) -> Result<()> {
     if !args.interactive {
         let prompt = args.prompt.unwrap_or_default();
         let ids = if args.raw {
-            engine.raw_prompt(&prompt)?
+            loaded.engine.raw_prompt(&prompt)?
         } else {
             messages.push(ChatMessage::new("user", prompt));
-            engine.chat_prompt(&messages)?
+            loaded.engine.chat_prompt(&messages)?
         };
-        answer(&engine, &ids, &params, args.stats)?;
-        return Ok(());
+        let result = loaded.with_session(|engine, session| {
+            answer(engine, session, &ids, &params, args.stats)
+        });
+        let closed = loaded.close();
+        result?;
+        return closed;
     }
     let stdin = std::io::stdin();
     loop {
@@ -228,8 +368,11 @@ fn run_prompt(args: RunArgs) -> Result<()> {
             continue;
         }
         messages.push(ChatMessage::new("user", line));
-        let ids = engine.chat_prompt(&messages)?;
-        match answer(&engine, &ids, &params, args.stats) {
+        let ids = loaded.engine.chat_prompt(&messages)?;
+        let result = loaded.with_session(|engine, session| {
+            answer(engine, session, &ids, &params, args.stats)
+        });
+        match result {
             Ok(text) => messages.push(ChatMessage::new("assistant", text)),
             Err(e) => {
                 // The conversation goes on; the failed turn is dropped.
@@ -238,13 +381,19 @@ fn run_prompt(args: RunArgs) -> Result<()> {
             }
         }
     }
-    Ok(())
+    loaded.close()
 }
 
 /// Streams one answer to stdout; returns its text.
-fn answer(engine: &Engine, ids: &[u32], params: &GenerateParams, stats: bool) -> Result<String> {
+fn answer(
+    engine: &Engine,
+    session: &mut dyn Session,
+    ids: &[u32],
+    params: &GenerateParams,
+    stats: bool,
+) -> Result<String> {
     let mut out = std::io::stdout().lock();
-    let generation = engine.generate(ids, params, &mut |piece| {
+    let generation = engine.generate_in(session, ids, params, &mut |piece| {
         out.write_all(piece.as_bytes())
             .and_then(|_| out.flush())
             .is_ok()
@@ -339,7 +488,7 @@ fn bench(args: BenchArgs) -> Result<()> {
     }
     // SAFETY: start-up, before any thread reads the environment.
     unsafe { std::env::set_var("SHOAL_KERNELS", &args.kernels) };
-    let engine = load(&args.model)?;
+    let mut loaded = Loaded::open(&args.model)?;
     let config = BenchConfig {
         pp: args.pp,
         tg: args.tg,
@@ -347,17 +496,24 @@ fn bench(args: BenchArgs) -> Result<()> {
         prefill_chunk: args.prefill_chunk,
     };
     let progress = bar(0, "bench");
-    let report = engine.bench(&config, &mut |done, total| {
-        progress.set_length(total as u64);
-        progress.set_position(done as u64);
-    })?;
+    let report = loaded.with_session(|engine, session| {
+        engine.bench_in(session, &config, &mut |done, total| {
+            progress.set_length(total as u64);
+            progress.set_position(done as u64);
+        })
+    });
     progress.finish_and_clear();
+    let closed = loaded.close();
+    let report = report?;
+    closed?;
     let threads = std::env::var("CANDLE_NUM_THREADS").unwrap_or_default();
     if args.json {
         let v = serde_json::json!({
             "model": args.model.model,
             "threads": threads.parse::<usize>().ok(),
             "kernels": args.kernels,
+            "ranks": args.model.ranks,
+            "strategy": (args.model.ranks > 1).then(|| args.model.strategy.name()),
             "pp": report.pp,
             "tg": report.tg,
             "repeat": report.repeat,
@@ -371,8 +527,14 @@ fn bench(args: BenchArgs) -> Result<()> {
         return Ok(());
     }
     println!(
-        "model {} threads {threads} kernels {}",
-        args.model.model, args.kernels
+        "model {} threads {threads} kernels {}{}",
+        args.model.model,
+        args.kernels,
+        if args.model.ranks > 1 {
+            format!(" ranks {} strategy {}", args.model.ranks, args.model.strategy)
+        } else {
+            String::new()
+        }
     );
     println!(
         "{:<12} {:>10} {:>10} {:>10}",
@@ -397,13 +559,18 @@ fn bench(args: BenchArgs) -> Result<()> {
 fn perplexity(args: PerplexityArgs) -> Result<()> {
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
-    let engine = load(&args.model)?;
+    let mut loaded = Loaded::open(&args.model)?;
     let progress = bar(0, "scoring");
-    let result = engine.perplexity(&text, args.window, args.chunk, &mut |done, total| {
-        progress.set_length(total as u64);
-        progress.set_position(done as u64);
-    })?;
+    let result = loaded.with_session(|engine, session| {
+        engine.perplexity_in(session, &text, args.window, args.chunk, &mut |done, total| {
+            progress.set_length(total as u64);
+            progress.set_position(done as u64);
+        })
+    });
     progress.finish_and_clear();
+    let closed = loaded.close();
+    let result = result?;
+    closed?;
     if args.json {
         println!("{}", serde_json::to_string(&result)?);
     } else {

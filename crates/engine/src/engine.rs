@@ -1,5 +1,6 @@
 //! Generation: chunked prefill, the decode loop, and its stop conditions.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Tensor;
@@ -55,17 +56,26 @@ pub struct Generation {
 
 /// A model with its tokenizer, ready to generate.
 pub struct Engine {
-    model: Model,
+    model: Arc<Model>,
     tokenizer: Tokenizer,
 }
 
 impl Engine {
     pub fn new(model: Model, tokenizer: Tokenizer) -> Self {
-        Self { model, tokenizer }
+        Self {
+            model: Arc::new(model),
+            tokenizer,
+        }
     }
 
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The model, shared (a split model's rank 0 computes with it while the engine
+    /// tokenizes and samples).
+    pub fn shared_model(&self) -> Arc<Model> {
+        Arc::clone(&self.model)
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {

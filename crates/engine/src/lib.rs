@@ -17,7 +17,7 @@ mod stop;
 pub use bench::{BenchConfig, BenchReport, Stats, peak_rss_bytes};
 pub use engine::{Engine, FinishReason, GenerateParams, Generation};
 pub use error::{EngineError, Result};
-pub use loader::{LoadOptions, gguf_vocab};
+pub use loader::{LoadOptions, gguf_vocab, model_config};
 pub use sampling::{Sampler, SamplingParams};
 pub use score::Perplexity;
 pub use session::{LocalSession, Session};

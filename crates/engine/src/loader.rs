@@ -46,6 +46,15 @@ pub fn gguf_vocab(file: &GgufFile) -> GgufVocab {
     }
 }
 
+/// The architecture facts of the model at `path`, without loading its weights.
+pub fn model_config(path: &Path) -> Result<ModelConfig> {
+    if path.is_dir() {
+        Ok(SafetensorsDir::open(path)?.config()?.clone())
+    } else {
+        Ok(GgufFile::open(path)?.model_config()?.clone())
+    }
+}
+
 impl Engine {
     /// Loads the whole model at `path` with its tokenizer.
     pub fn load(path: &Path, options: &LoadOptions) -> Result<Self> {

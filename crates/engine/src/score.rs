@@ -13,6 +13,9 @@ pub struct Perplexity {
     pub tokens: Vec<u32>,
     /// `top1[i]`: the most likely next token after position `i` (one per token but the last).
     pub top1: Vec<u32>,
+    /// `margin[i]`: how far the most likely token's logit is above the second's (a small
+    /// margin is a near-tie that another summation order may flip).
+    pub margin: Vec<f32>,
     /// Negative log-likelihood of `tokens[i + 1]` after position `i`.
     pub nll: Vec<f32>,
     pub ppl: f64,
@@ -51,6 +54,7 @@ impl Engine {
         let chunk = chunk.max(1);
         let mut top1 = Vec::with_capacity(tokens.len() - 1);
         let mut nll = Vec::with_capacity(tokens.len() - 1);
+        let mut margin = Vec::with_capacity(tokens.len() - 1);
         let mut done = 0;
         for (w, win) in tokens.chunks(window).enumerate() {
             session.reset()?;
@@ -63,6 +67,7 @@ impl Engine {
                         break;
                     };
                     top1.push(argmax(row));
+                    margin.push(top_margin(row));
                     nll.push(neg_log_softmax(row, target as usize));
                 }
                 done += piece.len();
@@ -73,10 +78,24 @@ impl Engine {
         Ok(Perplexity {
             tokens,
             top1,
+            margin,
             nll,
             ppl: mean.exp(),
         })
     }
+}
+
+fn top_margin(row: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &v in row {
+        if v > a {
+            b = a;
+            a = v;
+        } else if v > b {
+            b = v;
+        }
+    }
+    a - b
 }
 
 fn neg_log_softmax(row: &[f32], target: usize) -> f32 {

@@ -1,6 +1,7 @@
 //! The program every rank runs: one compute thread executing rank 0's steps, the tensor
 //! work and the collectives in the same order on every rank.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
@@ -42,7 +43,7 @@ pub const IDLE_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 /// One rank of a model instance: its shard, its sequence's KV cache, its links.
 pub struct Rank<T: Transport> {
     spec: ShardSpec,
-    model: Model,
+    model: Arc<Model>,
     cache: KvCache,
     group: Group<T>,
 }
@@ -96,7 +97,8 @@ fn to_bytes(t: &Tensor) -> Result<Vec<u8>> {
 }
 
 impl<T: Transport> Rank<T> {
-    pub fn new(spec: ShardSpec, model: Model, group: Group<T>) -> Result<Self> {
+    pub fn new(spec: ShardSpec, model: impl Into<Arc<Model>>, group: Group<T>) -> Result<Self> {
+        let model = model.into();
         if group.rank() != spec.rank || group.world() != spec.world {
             return Err(RankError::Plan(format!(
                 "shard {} of {} on link rank {} of {}",
