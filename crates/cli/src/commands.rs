@@ -13,7 +13,7 @@ use shoal_engine::{
     BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
 };
 use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks};
-use shoal_runner::{Rank, SplitSession, Strategy, plan};
+use shoal_runner::{Rank, SplitModel, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
 use shoal_tokenizer::ChatMessage;
 
@@ -164,8 +164,9 @@ struct BenchArgs {
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Quantized-matmul kernels: `shoal` (its own) or `candle` (the previous ones).
-    #[arg(long, default_value = "shoal", value_parser = ["shoal", "candle"])]
+    /// Quantized-matmul kernels: `shoal` (its own), `candle` (the previous ones) or
+    /// `dense` (weights dequantized to f32: exact and slow).
+    #[arg(long, default_value = "shoal", value_parser = ["shoal", "candle", "dense"])]
     kernels: String,
 }
 
@@ -229,7 +230,7 @@ fn load(args: &ModelArgs) -> Result<Engine> {
 /// that this process leads as rank 0.
 struct Loaded {
     engine: Engine,
-    split: Option<(SplitSession<TcpTransport>, LocalRanks)>,
+    split: Option<(SplitModel<TcpTransport>, LocalRanks)>,
 }
 
 impl Loaded {
@@ -245,7 +246,8 @@ impl Loaded {
         set_threads(Some(threads));
         let store = Store::from_env();
         let path = store.resolve_or_pull(&args.model)?;
-        let config = model_config(&path).with_context(|| format!("cannot load {}", path.display()))?;
+        let config =
+            model_config(&path).with_context(|| format!("cannot load {}", path.display()))?;
         let specs = plan(&config, args.strategy, args.ranks)?;
         let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
         let launch = Launch {
@@ -269,21 +271,21 @@ impl Loaded {
         tracing::info!(ranks = args.ranks, strategy = %args.strategy, "model split across local processes");
         Ok(Self {
             engine,
-            split: Some((SplitSession::new(rank), ranks)),
+            split: Some((SplitModel::new(rank), ranks)),
         })
     }
 
     fn with_session<R>(&mut self, f: impl FnOnce(&Engine, &mut dyn Session) -> R) -> R {
         match &mut self.split {
-            Some((session, _)) => f(&self.engine, session),
+            Some((model, _)) => f(&self.engine, &mut model.session()),
             None => f(&self.engine, &mut self.engine.session()),
         }
     }
 
     /// Tells the other ranks to leave and waits for them.
     fn close(self) -> Result<()> {
-        if let Some((session, ranks)) = self.split {
-            let result = session.shutdown();
+        if let Some((model, ranks)) = self.split {
+            let result = model.shutdown();
             drop(ranks);
             result?;
         }
@@ -301,7 +303,10 @@ fn serve_rank(args: RankArgs) -> Result<()> {
         .with_context(|| format!("rank {} of {world} addresses", args.rank))?;
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
-    let transport = TcpTransport::connect(&TcpConfig::new(args.rank, args.addrs.clone(), token), listener)?;
+    let transport = TcpTransport::connect(
+        &TcpConfig::new(args.rank, args.addrs.clone(), token),
+        listener,
+    )?;
     let config = model_config(&args.model)?;
     let spec = plan(&config, args.strategy, world)?
         .into_iter()
@@ -314,7 +319,8 @@ fn serve_rank(args: RankArgs) -> Result<()> {
     let engine = Engine::load_part(&args.model, &options, &move |_| load.clone())?;
     let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
     let mut rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
-    rank.follow().with_context(|| format!("rank {}", args.rank))?;
+    rank.follow()
+        .with_context(|| format!("rank {}", args.rank))?;
     Ok(())
 }
 
@@ -349,9 +355,8 @@ fn run_prompt(args: RunArgs) -> Result<()> {
             messages.push(ChatMessage::new("user", prompt));
             loaded.engine.chat_prompt(&messages)?
         };
-        let result = loaded.with_session(|engine, session| {
-            answer(engine, session, &ids, &params, args.stats)
-        });
+        let result = loaded
+            .with_session(|engine, session| answer(engine, session, &ids, &params, args.stats));
         let closed = loaded.close();
         result?;
         return closed;
@@ -369,9 +374,8 @@ fn run_prompt(args: RunArgs) -> Result<()> {
         }
         messages.push(ChatMessage::new("user", line));
         let ids = loaded.engine.chat_prompt(&messages)?;
-        let result = loaded.with_session(|engine, session| {
-            answer(engine, session, &ids, &params, args.stats)
-        });
+        let result = loaded
+            .with_session(|engine, session| answer(engine, session, &ids, &params, args.stats));
         match result {
             Ok(text) => messages.push(ChatMessage::new("assistant", text)),
             Err(e) => {
@@ -531,7 +535,10 @@ fn bench(args: BenchArgs) -> Result<()> {
         args.model.model,
         args.kernels,
         if args.model.ranks > 1 {
-            format!(" ranks {} strategy {}", args.model.ranks, args.model.strategy)
+            format!(
+                " ranks {} strategy {}",
+                args.model.ranks, args.model.strategy
+            )
         } else {
             String::new()
         }
@@ -562,10 +569,16 @@ fn perplexity(args: PerplexityArgs) -> Result<()> {
     let mut loaded = Loaded::open(&args.model)?;
     let progress = bar(0, "scoring");
     let result = loaded.with_session(|engine, session| {
-        engine.perplexity_in(session, &text, args.window, args.chunk, &mut |done, total| {
-            progress.set_length(total as u64);
-            progress.set_position(done as u64);
-        })
+        engine.perplexity_in(
+            session,
+            &text,
+            args.window,
+            args.chunk,
+            &mut |done, total| {
+                progress.set_length(total as u64);
+                progress.set_position(done as u64);
+            },
+        )
     });
     progress.finish_and_clear();
     let closed = loaded.close();

@@ -21,13 +21,18 @@ pub enum KernelChoice {
     Shoal,
     /// candle's quantized matmul everywhere (the previous kernels).
     Candle,
+    /// Weights dequantized to f32 at load and f32 activations: no activation rounding,
+    /// so results do not depend on how tokens are batched or summed. Four to eight times
+    /// the memory and slow; for checking numerics, not for serving.
+    Dense,
 }
 
 impl KernelChoice {
-    /// From `SHOAL_KERNELS` (`shoal` or `candle`), default `Shoal`.
+    /// From `SHOAL_KERNELS` (`shoal`, `candle` or `dense`), default `Shoal`.
     pub fn from_env() -> Self {
         match std::env::var("SHOAL_KERNELS").as_deref() {
             Ok("candle") => Self::Candle,
+            Ok("dense") => Self::Dense,
             _ => Self::Shoal,
         }
     }
@@ -56,6 +61,9 @@ impl Matrix {
     /// Converts a loaded weight. A quantized tensor of a block type shoal's kernels read
     /// is copied into a [`QuantMatrix`] (the candle tensor is then dropped by the caller).
     pub fn from_weight(weight: Weight, kernels: KernelChoice) -> Result<Self> {
+        if kernels == KernelChoice::Dense {
+            return Ok(Self::Candle(QMatMul::Tensor(weight.to_f32()?)));
+        }
         match weight {
             Weight::Quantized(q) => match shoal_matrix(&q, kernels)? {
                 Some(m) => Ok(Self::Shoal(Arc::new(m))),

@@ -122,7 +122,10 @@ pub fn launch(l: &Launch) -> Result<(TcpTransport, LocalRanks), RankError> {
             cmd.arg("--ctx").arg(c.to_string());
         }
         let child = cmd.spawn().map_err(|e| {
-            RankError::Plan(format!("cannot start rank {rank} ({}): {e}", l.exe.display()))
+            RankError::Plan(format!(
+                "cannot start rank {rank} ({}): {e}",
+                l.exe.display()
+            ))
         })?;
         ranks.children.push((rank, child));
     }

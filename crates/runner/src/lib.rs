@@ -18,6 +18,6 @@ pub mod shard;
 pub mod step;
 
 pub use rank::{Rank, RankError};
-pub use session::SplitSession;
+pub use session::{SplitModel, SplitSession};
 pub use shard::{ShardSpec, Strategy, plan};
 pub use step::Step;

@@ -1,6 +1,7 @@
 //! The program every rank runs: one compute thread executing rank 0's steps, the tensor
 //! work and the collectives in the same order on every rank.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,11 +41,11 @@ pub type Result<T, E = RankError> = std::result::Result<T, E>;
 /// requests; a dead or frozen rank 0 is still noticed in seconds by the heartbeats.
 pub const IDLE_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// One rank of a model instance: its shard, its sequence's KV cache, its links.
+/// One rank of a model instance: its shard, the KV caches of its sequences, its links.
 pub struct Rank<T: Transport> {
     spec: ShardSpec,
     model: Arc<Model>,
-    cache: KvCache,
+    caches: HashMap<u64, KvCache>,
     group: Group<T>,
 }
 
@@ -108,11 +109,10 @@ impl<T: Transport> Rank<T> {
                 group.world()
             )));
         }
-        let cache = model.new_cache();
         Ok(Self {
             spec,
             model,
-            cache,
+            caches: HashMap::new(),
             group,
         })
     }
@@ -125,13 +125,14 @@ impl<T: Transport> Rank<T> {
         &self.model
     }
 
-    /// Positions the sequence holds.
-    pub fn len(&self) -> usize {
-        self.cache.len()
+    /// Positions sequence `seq` holds.
+    pub fn len(&self, seq: u64) -> usize {
+        self.caches.get(&seq).map_or(0, KvCache::len)
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.cache.is_empty()
+    /// Sequences with a cache.
+    pub fn sequences(&self) -> usize {
+        self.caches.len()
     }
 
     /// Rank 0: checks the step, tells every rank, and executes it; returns the logits of
@@ -142,7 +143,7 @@ impl<T: Transport> Rank<T> {
         }
         // Refuse bad input here, before any rank starts: every rank would fail alike,
         // and a failed rank leaves the instance.
-        if let Step::Forward { tokens, .. } = step {
+        if let Step::Forward { seq, tokens, .. } = step {
             let vocab = self.model.config().vocab_size;
             if tokens.is_empty() {
                 return Err(RankError::Invalid("no tokens to run".into()));
@@ -152,10 +153,11 @@ impl<T: Transport> Rank<T> {
                     "token id {bad} is outside the vocabulary of {vocab}"
                 )));
             }
-            if self.cache.len() + tokens.len() > self.model.max_len() {
+            let len = self.len(*seq);
+            if len + tokens.len() > self.model.max_len() {
                 return Err(RankError::Invalid(format!(
                     "sequence of {} positions exceeds the context of {}",
-                    self.cache.len() + tokens.len(),
+                    len + tokens.len(),
                     self.model.max_len()
                 )));
             }
@@ -183,22 +185,39 @@ impl<T: Transport> Rank<T> {
 
     fn execute(&mut self, step: &Step) -> Result<Option<Tensor>> {
         match step {
-            Step::Forward { tokens, all_logits } => {
+            Step::Forward {
+                seq,
+                tokens,
+                all_logits,
+            } => {
+                let mut cache = self
+                    .caches
+                    .remove(seq)
+                    .unwrap_or_else(|| self.model.new_cache());
                 let _span = tracing::debug_span!(
                     "step",
                     rank = self.spec.rank,
+                    seq,
                     tokens = tokens.len(),
-                    pos = self.cache.len()
+                    pos = cache.len()
                 )
                 .entered();
-                match self.spec.strategy {
-                    Strategy::Pipeline => self.forward_pipeline(tokens, *all_logits),
-                    Strategy::Tensor => self.forward_tensor(tokens, *all_logits),
-                    Strategy::Sequence => self.forward_sequence(tokens, *all_logits),
-                }
+                let result = match self.spec.strategy {
+                    Strategy::Pipeline => self.forward_pipeline(&mut cache, tokens, *all_logits),
+                    Strategy::Tensor => self.forward_tensor(&mut cache, tokens, *all_logits),
+                    Strategy::Sequence => self.forward_sequence(&mut cache, tokens, *all_logits),
+                };
+                self.caches.insert(*seq, cache);
+                result
             }
-            Step::Reset => {
-                self.cache.clear();
+            Step::Reset { seq } => {
+                if let Some(c) = self.caches.get_mut(seq) {
+                    c.clear();
+                }
+                Ok(None)
+            }
+            Step::Release { seq } => {
+                self.caches.remove(seq);
                 Ok(None)
             }
             Step::Shutdown => Ok(None),
@@ -217,7 +236,12 @@ impl<T: Transport> Rank<T> {
 
     /// Hidden states flow rank 0 → 1 → … → last; the last rank computes the logits and
     /// returns them to rank 0.
-    fn forward_pipeline(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
+    fn forward_pipeline(
+        &mut self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Option<Tensor>> {
         let (r, n) = (self.spec.rank, self.spec.world);
         let t = tokens.len();
         let hidden = self.model.config().hidden_size;
@@ -228,7 +252,7 @@ impl<T: Transport> Rank<T> {
             let b = self.group.recv(r - 1)?;
             to_tensor(&b, t, hidden, r - 1)?
         };
-        let h = self.model.forward_layers(h, &mut self.cache)?;
+        let h = self.model.forward_layers(h, cache)?;
         if r + 1 < n {
             self.group.send(r + 1, &to_bytes(&h)?)?;
         } else {
@@ -249,12 +273,15 @@ impl<T: Transport> Rank<T> {
 
     /// Every rank runs its slice of every layer on the same hidden states; the partial
     /// outputs are summed by all-reduces inside the layers. Rank 0 holds the head.
-    fn forward_tensor(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
+    fn forward_tensor(
+        &mut self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Option<Tensor>> {
         let h = self.model.embed(tokens)?;
         let mut links = Links(&mut self.group);
-        let h = self
-            .model
-            .forward_layers_with(h, &mut self.cache, Some(&mut links))?;
+        let h = self.model.forward_layers_with(h, cache, Some(&mut links))?;
         if self.spec.rank == 0 {
             return Ok(Some(self.head(h, all_logits)?));
         }
@@ -265,19 +292,24 @@ impl<T: Transport> Rank<T> {
     /// computes its zigzag pieces and the KV blocks travel around the ring. Shorter
     /// steps (decode) run on every rank alike, without communication: the caches are
     /// whole and identical on every rank.
-    fn forward_sequence(&mut self, tokens: &[u32], all_logits: bool) -> Result<Option<Tensor>> {
+    fn forward_sequence(
+        &mut self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        all_logits: bool,
+    ) -> Result<Option<Tensor>> {
         let (r, n) = (self.spec.rank, self.spec.world);
         let t = tokens.len();
         if n == 1 || t < 2 * n {
             let h = self.model.embed(tokens)?;
-            let h = self.model.forward_layers(h, &mut self.cache)?;
+            let h = self.model.forward_layers(h, cache)?;
             return Ok(if r == 0 {
                 Some(self.head(h, all_logits)?)
             } else {
                 None
             });
         }
-        let start = self.cache.len();
+        let start = cache.len();
         let pieces = zigzag_pieces(start, t, r, n);
         let mine: Vec<u32> = pieces
             .iter()
@@ -287,7 +319,7 @@ impl<T: Transport> Rank<T> {
         let mut links = Links(&mut self.group);
         let h = self
             .model
-            .forward_layers_ring(h, &pieces, t, &mut self.cache, &mut links)?;
+            .forward_layers_ring(h, &pieces, t, cache, &mut links)?;
         if !all_logits {
             // The last position is in the last piece, which rank 0 holds.
             return Ok(if r == 0 {

@@ -1,4 +1,10 @@
-//! Rank 0's side of a split model: an engine session that leads the other ranks.
+//! Rank 0's side of a split model: engine sessions that lead the other ranks.
+//!
+//! [`SplitModel`] owns rank 0 and hands out [`SplitSession`]s, one per sequence; several
+//! may be alive at once (a new prompt arrives while others decode), and their steps go
+//! out one at a time, in the order rank 0 makes them, on rank 0's one compute thread.
+
+use std::cell::{Cell, RefCell};
 
 use shoal_collectives::Transport;
 use shoal_engine::{EngineError, Session};
@@ -7,11 +13,12 @@ use shoal_model::Tensor;
 use crate::rank::{Rank, RankError};
 use crate::step::Step;
 
-/// A sequence computed by every rank of an instance, led by rank 0.
-pub struct SplitSession<T: Transport> {
-    rank: Rank<T>,
+/// A model split across ranks, led from this process (rank 0).
+pub struct SplitModel<T: Transport> {
+    rank: RefCell<Rank<T>>,
     /// Set once a step failed: the ranks may be out of step, so the instance is done.
-    broken: Option<String>,
+    broken: RefCell<Option<String>>,
+    next_seq: Cell<u64>,
 }
 
 fn engine_err(e: RankError) -> EngineError {
@@ -21,53 +28,83 @@ fn engine_err(e: RankError) -> EngineError {
     }
 }
 
-impl<T: Transport> SplitSession<T> {
+impl<T: Transport> SplitModel<T> {
     pub fn new(rank: Rank<T>) -> Self {
-        Self { rank, broken: None }
+        Self {
+            rank: RefCell::new(rank),
+            broken: RefCell::new(None),
+            next_seq: Cell::new(0),
+        }
     }
 
-    pub fn rank(&self) -> &Rank<T> {
-        &self.rank
+    /// A new, empty sequence.
+    pub fn session(&self) -> SplitSession<'_, T> {
+        let seq = self.next_seq.get();
+        self.next_seq.set(seq + 1);
+        SplitSession { model: self, seq }
     }
 
-    fn lead(&mut self, step: &Step) -> shoal_engine::Result<Option<Tensor>> {
-        if let Some(why) = &self.broken {
+    /// Sequences the ranks hold caches for.
+    pub fn sequences(&self) -> usize {
+        self.rank.borrow().sequences()
+    }
+
+    fn lead(&self, step: &Step) -> shoal_engine::Result<Option<Tensor>> {
+        if let Some(why) = self.broken.borrow().as_ref() {
             return Err(EngineError::Invalid(format!(
                 "the split model failed earlier: {why}"
             )));
         }
-        match self.rank.lead(step) {
+        let result = self.rank.borrow_mut().lead(step);
+        match result {
             Ok(v) => Ok(v),
             // Refused before any rank started: the instance is intact.
             Err(e @ RankError::Invalid(_)) => Err(engine_err(e)),
             Err(e) => {
-                self.broken = Some(e.to_string());
+                *self.broken.borrow_mut() = Some(e.to_string());
                 Err(engine_err(e))
             }
         }
     }
 
     /// Tells every rank to leave its loop.
-    pub fn shutdown(mut self) -> shoal_engine::Result<()> {
+    pub fn shutdown(self) -> shoal_engine::Result<()> {
         self.lead(&Step::Shutdown).map(|_| ())
     }
 }
 
-impl<T: Transport> Session for SplitSession<T> {
+/// One sequence of a [`SplitModel`]; its caches are freed on every rank when dropped.
+pub struct SplitSession<'m, T: Transport> {
+    model: &'m SplitModel<T>,
+    seq: u64,
+}
+
+impl<T: Transport> Session for SplitSession<'_, T> {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> shoal_engine::Result<Tensor> {
         let step = Step::Forward {
+            seq: self.seq,
             tokens: tokens.to_vec(),
             all_logits,
         };
-        self.lead(&step)?
+        self.model
+            .lead(&step)?
             .ok_or_else(|| EngineError::Invalid("rank 0 produced no logits".into()))
     }
 
     fn reset(&mut self) -> shoal_engine::Result<()> {
-        self.lead(&Step::Reset).map(|_| ())
+        self.model.lead(&Step::Reset { seq: self.seq }).map(|_| ())
     }
 
     fn len(&self) -> usize {
-        self.rank.len()
+        self.model.rank.borrow().len(self.seq)
+    }
+}
+
+impl<T: Transport> Drop for SplitSession<'_, T> {
+    fn drop(&mut self) {
+        if self.model.broken.borrow().is_none() {
+            // A failure here marks the model broken; the next call reports it.
+            let _ = self.model.lead(&Step::Release { seq: self.seq });
+        }
     }
 }

@@ -6,11 +6,17 @@
 /// What every rank does next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
-    /// Append `tokens` to the sequence; rank 0 wants logits for every new position
-    /// (`all_logits`) or only the last.
-    Forward { tokens: Vec<u32>, all_logits: bool },
-    /// Empty the sequence.
-    Reset,
+    /// Append `tokens` to sequence `seq` (created empty if new); rank 0 wants logits for
+    /// every new position (`all_logits`) or only the last.
+    Forward {
+        seq: u64,
+        tokens: Vec<u32>,
+        all_logits: bool,
+    },
+    /// Empty sequence `seq`.
+    Reset { seq: u64 },
+    /// Forget sequence `seq` and free its cache.
+    Release { seq: u64 },
     /// Leave the rank loop.
     Shutdown,
 }
@@ -18,21 +24,35 @@ pub enum Step {
 const FORWARD: u8 = 1;
 const RESET: u8 = 2;
 const SHUTDOWN: u8 = 3;
+const RELEASE: u8 = 4;
+
+fn seq_at(b: &[u8], at: usize) -> Result<u64, String> {
+    b.get(at..at + 8)
+        .and_then(|s| s.try_into().ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| format!("step of {} bytes has no sequence id", b.len()))
+}
 
 impl Step {
     pub fn encode(&self) -> Vec<u8> {
         match self {
-            Self::Forward { tokens, all_logits } => {
-                let mut b = Vec::with_capacity(6 + 4 * tokens.len());
+            Self::Forward {
+                seq,
+                tokens,
+                all_logits,
+            } => {
+                let mut b = Vec::with_capacity(14 + 4 * tokens.len());
                 b.push(FORWARD);
                 b.push(*all_logits as u8);
+                b.extend_from_slice(&seq.to_le_bytes());
                 b.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
                 for t in tokens {
                     b.extend_from_slice(&t.to_le_bytes());
                 }
                 b
             }
-            Self::Reset => vec![RESET],
+            Self::Reset { seq } => [&[RESET][..], &seq.to_le_bytes()].concat(),
+            Self::Release { seq } => [&[RELEASE][..], &seq.to_le_bytes()].concat(),
             Self::Shutdown => vec![SHUTDOWN],
         }
     }
@@ -40,7 +60,7 @@ impl Step {
     pub fn decode(b: &[u8]) -> Result<Self, String> {
         match b.first() {
             Some(&FORWARD) => {
-                if b.len() < 6 {
+                if b.len() < 14 {
                     return Err(format!("forward step of {} bytes", b.len()));
                 }
                 let all_logits = match b[1] {
@@ -48,17 +68,23 @@ impl Step {
                     1 => true,
                     v => return Err(format!("forward step with logits flag {v}")),
                 };
-                let n = u32::from_le_bytes([b[2], b[3], b[4], b[5]]) as usize;
-                if b.len() != 6 + 4 * n {
+                let seq = seq_at(b, 2)?;
+                let n = u32::from_le_bytes([b[10], b[11], b[12], b[13]]) as usize;
+                if b.len() != 14 + 4 * n {
                     return Err(format!("forward step of {} bytes for {n} tokens", b.len()));
                 }
-                let tokens = b[6..]
+                let tokens = b[14..]
                     .chunks_exact(4)
                     .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                     .collect();
-                Ok(Self::Forward { tokens, all_logits })
+                Ok(Self::Forward {
+                    seq,
+                    tokens,
+                    all_logits,
+                })
             }
-            Some(&RESET) if b.len() == 1 => Ok(Self::Reset),
+            Some(&RESET) if b.len() == 9 => Ok(Self::Reset { seq: seq_at(b, 1)? }),
+            Some(&RELEASE) if b.len() == 9 => Ok(Self::Release { seq: seq_at(b, 1)? }),
             Some(&SHUTDOWN) if b.len() == 1 => Ok(Self::Shutdown),
             Some(t) => Err(format!("unknown step tag {t} ({} bytes)", b.len())),
             None => Err("empty step".into()),
@@ -74,22 +100,35 @@ mod tests {
     fn steps_round_trip_and_garbage_is_refused() {
         for s in [
             Step::Forward {
+                seq: 7,
                 tokens: vec![1, 2, 70_000],
                 all_logits: true,
             },
             Step::Forward {
+                seq: u64::MAX,
                 tokens: vec![],
                 all_logits: false,
             },
-            Step::Reset,
+            Step::Reset { seq: 3 },
+            Step::Release { seq: 4 },
             Step::Shutdown,
         ] {
             assert_eq!(Step::decode(&s.encode()), Ok(s));
         }
         assert!(Step::decode(&[]).is_err());
         assert!(Step::decode(&[9]).is_err());
-        assert!(Step::decode(&[1, 0, 5, 0, 0, 0, 1]).is_err());
-        assert!(Step::decode(&[1, 7, 0, 0, 0, 0]).is_err());
+        let mut truncated = Step::Forward {
+            seq: 1,
+            tokens: vec![5],
+            all_logits: false,
+        }
+        .encode();
+        truncated.pop();
+        assert!(Step::decode(&truncated).is_err());
+        let mut flag = truncated.clone();
+        flag[1] = 7;
+        assert!(Step::decode(&flag).is_err());
         assert!(Step::decode(&[2, 0]).is_err());
+        assert!(Step::decode(&[3, 0]).is_err());
     }
 }

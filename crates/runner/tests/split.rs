@@ -12,7 +12,7 @@ use shoal_collectives::local::local_group;
 use shoal_engine::{LocalSession, Session};
 use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
 use shoal_model::{Architecture, GgufFile, Model, Tensor};
-use shoal_runner::{Rank, SplitSession, Strategy, plan};
+use shoal_runner::{Rank, SplitModel, Strategy, plan};
 
 fn model_file(arch: Architecture, dtype: GgmlDType) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("shoal-split-{}", std::process::id()));
@@ -96,9 +96,9 @@ fn split(path: &PathBuf, strategy: Strategy, world: usize, forced: &[u32]) -> Tr
             handles.push(thread::spawn(move || make().follow()));
         }
     }
-    let mut session = SplitSession::new(lead.expect("rank 0"));
-    let (trace, _) = script(&mut session, Some(forced));
-    session.shutdown().expect("shutdown");
+    let model = SplitModel::new(lead.expect("rank 0"));
+    let (trace, _) = script(&mut model.session(), Some(forced));
+    model.shutdown().expect("shutdown");
     for h in handles {
         h.join().expect("join").expect("rank finished cleanly");
     }
@@ -206,7 +206,8 @@ fn bad_input_is_refused_before_any_rank_starts_and_the_instance_survives() {
         Rank::new(spec1, model, g1).expect("rank").follow()
     });
     let model = Model::load(&file, specs[0].load.clone(), 64).expect("load");
-    let mut s = SplitSession::new(Rank::new(specs[0].clone(), model, g0).expect("rank"));
+    let split = SplitModel::new(Rank::new(specs[0].clone(), model, g0).expect("rank"));
+    let mut s = split.session();
     assert!(s.forward(&[], false).is_err(), "empty");
     assert!(
         s.forward(&[10_000], false).is_err(),
@@ -221,7 +222,9 @@ fn bad_input_is_refused_before_any_rank_starts_and_the_instance_survives() {
         .forward(&[1, 2, 3], false)
         .expect("forward after refusals");
     assert_eq!(logits.dims(), &[1, 200]);
-    s.shutdown().expect("shutdown");
+    drop(s);
+    assert_eq!(split.sequences(), 0, "a dropped session frees its caches");
+    split.shutdown().expect("shutdown");
     follower.join().expect("join").expect("clean exit");
 }
 
