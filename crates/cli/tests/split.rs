@@ -62,12 +62,17 @@ struct Bound {
     ppl: f64,
 }
 
-fn check_agreement(model: &str, kernels: &str, bound: impl Fn(&str) -> Bound) {
+/// `kv_heads`: tensor parallelism splits whole KV groups, so it runs on at most that many
+/// ranks (qwen2.5-coder-0.5b has 2).
+fn check_agreement(model: &str, kv_heads: usize, kernels: &str, bound: impl Fn(&str) -> Bound) {
     let one = perplexity(model, kernels, &["--threads", "2"]);
     assert!(one.top1.len() > 250, "a few hundred positions");
     for strategy in ["pipeline", "tensor", "sequence"] {
         let b = bound(strategy);
         for ranks in ["2", "3"] {
+            if strategy == "tensor" && ranks.parse::<usize>().unwrap_or(0) > kv_heads {
+                continue;
+            }
             let split = perplexity(
                 model,
                 kernels,
@@ -132,15 +137,15 @@ fn bounds(kernels: &'static str) -> impl Fn(&str) -> Bound {
 
 #[test]
 fn split_smollm2_scores_like_one_process() {
-    check_agreement("smollm2-135m", "dense", bounds("dense"));
-    check_agreement("smollm2-135m", "shoal", bounds("shoal"));
+    check_agreement("smollm2-135m", 3, "dense", bounds("dense"));
+    check_agreement("smollm2-135m", 3, "shoal", bounds("shoal"));
 }
 
 #[test]
 #[ignore = "needs qwen2.5-coder-0.5b (476 MB): shoal pull qwen2.5-coder-0.5b"]
 fn split_qwen_scores_like_one_process() {
-    check_agreement("qwen2.5-coder-0.5b", "dense", bounds("dense"));
-    check_agreement("qwen2.5-coder-0.5b", "shoal", bounds("shoal"));
+    check_agreement("qwen2.5-coder-0.5b", 2, "dense", bounds("dense"));
+    check_agreement("qwen2.5-coder-0.5b", 2, "shoal", bounds("shoal"));
 }
 
 /// Children of `pid` (the rank processes), from /proc.

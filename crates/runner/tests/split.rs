@@ -3,125 +3,18 @@
 //! Ranks run as threads joined by the in-process transport here; the TCP transport has
 //! its own tests, and the CLI tests run ranks as processes.
 
-use std::path::PathBuf;
+mod common;
+
 use std::thread;
 use std::time::Duration;
 
 use candle_core::quantized::GgmlDType;
+use common::{compare, model_file, single, split};
 use shoal_collectives::local::local_group;
-use shoal_engine::{LocalSession, Session};
+use shoal_engine::Session;
 use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
-use shoal_model::{Architecture, GgufFile, Model, Tensor};
+use shoal_model::{Architecture, GgufFile, Model};
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
-
-fn model_file(arch: Architecture, dtype: GgmlDType) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("shoal-split-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let path = dir.join(format!("{}-{dtype:?}.gguf", arch.name()));
-    if !path.exists() {
-        write_synthetic_gguf(&SyntheticShape::tiny(arch), dtype, 7, &path).expect("write");
-    }
-    path
-}
-
-/// What a run records: logits after each call.
-type Trace = Vec<Vec<Vec<f32>>>;
-
-/// One-token prompt; a prompt in one chunk; a prompt over several chunks with all
-/// logits; then 20 greedy decode steps. A split run replays the single run's greedy
-/// tokens (`forced`), so that one near-tie flipped by summation order does not send the
-/// two runs down different sequences; `compare` checks the logits at every step.
-fn script(session: &mut dyn Session, forced: Option<&[u32]>) -> (Trace, Vec<u32>) {
-    let mut trace = Vec::new();
-    let mut record = |t: Tensor| {
-        trace.push(t.to_vec2::<f32>().expect("logits"));
-    };
-    session.reset().expect("reset");
-    record(session.forward(&[5], false).expect("one token"));
-    session.reset().expect("reset");
-    record(
-        session
-            .forward(&[1, 9, 33, 4, 120, 7], false)
-            .expect("one chunk"),
-    );
-    session.reset().expect("reset");
-    let long: Vec<u32> = (0..45).map(|i| (i * 37 + 11) % 200).collect();
-    for piece in long.chunks(16) {
-        record(session.forward(piece, true).expect("chunk"));
-    }
-    let mut next = 3u32;
-    let mut tokens = Vec::new();
-    for step in 0..20 {
-        let logits = session.forward(&[next], false).expect("decode");
-        let row = logits.to_vec2::<f32>().expect("row").remove(0);
-        next = match forced {
-            Some(f) => f[step],
-            None => row
-                .iter()
-                .enumerate()
-                .max_by(|a, b| a.1.total_cmp(b.1))
-                .map(|(i, _)| i as u32)
-                .unwrap_or(0),
-        };
-        tokens.push(next);
-        trace.push(vec![row]);
-    }
-    (trace, tokens)
-}
-
-fn single(path: &PathBuf) -> (Trace, Vec<u32>) {
-    let file = GgufFile::open(path).expect("open");
-    let n = file.model_config().expect("config").num_layers;
-    let model = Model::load(&file, shoal_model::LoadSpec::full(n), 256).expect("load");
-    script(&mut LocalSession::new(&model), None)
-}
-
-fn split(path: &PathBuf, strategy: Strategy, world: usize, forced: &[u32]) -> Trace {
-    let file = GgufFile::open(path).expect("open");
-    let config = file.model_config().expect("config").clone();
-    let specs = plan(&config, strategy, world).expect("plan");
-    let groups = local_group(world, Duration::from_secs(20));
-    let mut handles = Vec::new();
-    let mut lead = None;
-    for (spec, group) in specs.into_iter().zip(groups) {
-        let path = path.clone();
-        let make = move || {
-            let file = GgufFile::open(&path).expect("open");
-            let model = Model::load(&file, spec.load.clone(), 256).expect("load shard");
-            Rank::new(spec, model, group).expect("rank")
-        };
-        if lead.is_none() {
-            lead = Some(make());
-        } else {
-            handles.push(thread::spawn(move || make().follow()));
-        }
-    }
-    let model = SplitModel::new(lead.expect("rank 0"));
-    let (trace, _) = script(&mut model.session(), Some(forced));
-    model.shutdown().expect("shutdown");
-    for h in handles {
-        h.join().expect("join").expect("rank finished cleanly");
-    }
-    trace
-}
-
-fn compare(what: &str, want: &Trace, got: &Trace, tolerance: f32) {
-    assert_eq!(want.len(), got.len(), "{what}: number of calls");
-    for (call, (w, g)) in want.iter().zip(got).enumerate() {
-        assert_eq!(w.len(), g.len(), "{what}: rows of call {call}");
-        for (wr, gr) in w.iter().zip(g) {
-            let scale = wr.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
-            let err = wr
-                .iter()
-                .zip(gr)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                err <= tolerance * scale,
-                "{what}: call {call} differs by {err} (scale {scale})"
-            );
-        }
-    }
-}
 
 fn check(strategy: Strategy) {
     for arch in [
