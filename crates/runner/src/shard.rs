@@ -1,53 +1,9 @@
 //! Shard plans: which part of the model each rank holds.
 
-use std::fmt;
-use std::str::FromStr;
-
+pub use shoal_cluster::Strategy;
 use shoal_model::{LoadSpec, ModelConfig, tensor_slices};
 
 use crate::RankError;
-
-/// How a model is split.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Strategy {
-    /// Contiguous layer ranges; hidden states pass rank to rank.
-    Pipeline,
-    /// Every layer cut into KV groups and FFN slices; two all-reduces per layer.
-    Tensor,
-    /// Every rank holds the whole model; a prompt is split across ranks (ring
-    /// attention) and decode runs on every rank without communication.
-    Sequence,
-}
-
-impl Strategy {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Pipeline => "pipeline",
-            Self::Tensor => "tensor",
-            Self::Sequence => "sequence",
-        }
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Strategy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "pipeline" => Ok(Self::Pipeline),
-            "tensor" => Ok(Self::Tensor),
-            "sequence" => Ok(Self::Sequence),
-            _ => Err(format!(
-                "unknown strategy {s:?} (pipeline, tensor or sequence)"
-            )),
-        }
-    }
-}
 
 /// One rank's part of a model instance.
 #[derive(Clone, Debug, PartialEq, Eq)]

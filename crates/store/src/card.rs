@@ -9,6 +9,12 @@ pub struct ModelCard {
     pub description: String,
     pub architecture: String,
     pub parameters: String,
+    /// Shape facts for placement (per-rank memory) before the file is on a node.
+    pub hidden: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub ffn: u32,
+    pub vocab: u32,
     pub layers: u32,
     pub context_length: u32,
     pub license: String,
