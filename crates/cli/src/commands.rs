@@ -13,6 +13,7 @@ use shoal_engine::{
     BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
 };
 use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks};
+use shoal_cluster::RunnerStatus;
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
 use shoal_tokenizer::ChatMessage;
@@ -46,6 +47,36 @@ enum Command {
     Bench(BenchArgs),
     /// Score a text file: perplexity and the arg-max prediction at every position.
     Perplexity(PerplexityArgs),
+    /// Run this machine's node: join the cluster, take part in it, run its runners.
+    Node(NodeArgs),
+    /// Print a new cluster key.
+    Keygen,
+    /// Nodes, instances and runners of the cluster.
+    Status {
+        #[command(flatten)]
+        node: NodeAddr,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Place a model instance on the cluster (or list the ways it fits).
+    Place {
+        model: String,
+        #[command(flatten)]
+        node: NodeAddr,
+        /// List every valid plan with per-node memory instead of placing.
+        #[arg(long)]
+        preview: bool,
+        #[arg(long)]
+        strategy: Option<String>,
+        /// Exactly this many nodes.
+        #[arg(long)]
+        nodes: Option<usize>,
+        /// Context length of the instance.
+        #[arg(long)]
+        ctx: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
     /// One rank of a split model (started by `--ranks N`; the instance token comes in
     /// SHOAL_INSTANCE_TOKEN).
     #[command(hide = true)]
@@ -100,6 +131,46 @@ struct RankArgs {
     threads: Option<usize>,
     #[arg(long, default_value_t = 120.0)]
     rank_timeout: f64,
+    /// The node's control socket (cluster runners): status, heartbeats, and for rank 0
+    /// the requests to answer.
+    #[arg(long)]
+    control: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
+struct NodeArgs {
+    /// Where the node keeps its identity, cluster key, state and models.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The control HTTP API.
+    #[arg(long, default_value = "127.0.0.1:52415")]
+    listen: std::net::SocketAddr,
+    /// The libp2p address other nodes reach this one at.
+    #[arg(long, default_value = "0.0.0.0:52416")]
+    p2p_listen: std::net::SocketAddr,
+    /// A peer's libp2p address (repeatable): nodes on other networks, tests.
+    #[arg(long)]
+    peer: Vec<std::net::SocketAddr>,
+    /// The cluster key file (64 hex digits; `shoal keygen` makes one). SHOAL_CLUSTER_KEY
+    /// works too; without either the node makes a key in its data directory.
+    #[arg(long)]
+    cluster_key_file: Option<PathBuf>,
+    /// Do not look for nodes on the local network.
+    #[arg(long)]
+    no_mdns: bool,
+    /// Seconds a runner may hold a request without progress before it is killed.
+    #[arg(long, default_value_t = 60.0)]
+    stall_timeout: f64,
+    /// Compute threads per runner.
+    #[arg(long)]
+    runner_threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+struct NodeAddr {
+    /// The node to ask (its --listen address).
+    #[arg(long, default_value = "127.0.0.1:52415")]
+    node: String,
 }
 
 #[derive(Args, Debug)]
@@ -144,6 +215,10 @@ struct RunArgs {
     /// Print timing to stderr at the end.
     #[arg(long)]
     stats: bool,
+    /// Send the prompt to a cluster through this node (HOST:PORT) instead of running
+    /// the model here.
+    #[arg(long)]
+    node: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -193,6 +268,21 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(args) => bench(args),
         Command::Perplexity(args) => perplexity(args),
         Command::Rank(args) => serve_rank(args),
+        Command::Node(args) => node(args),
+        Command::Keygen => {
+            println!("{}", shoal_node::keys::new_cluster_key()?);
+            Ok(())
+        }
+        Command::Status { node, json } => status(&node.node, json),
+        Command::Place {
+            model,
+            node,
+            preview,
+            strategy,
+            nodes,
+            ctx,
+            json,
+        } => place(&node.node, &model, preview, strategy, nodes, ctx, json),
         Command::Tokenize { model, text } => {
             let engine = load(&model)?;
             let ids = engine.tokenizer().encode(&text, false)?;
@@ -295,6 +385,18 @@ impl Loaded {
 
 fn serve_rank(args: RankArgs) -> Result<()> {
     set_threads(args.threads);
+    let control = args.control.as_deref().map(Control::connect).transpose()?;
+    if let Some(c) = &control {
+        c.status(&RunnerStatus::Connecting);
+    }
+    let result = serve_rank_inner(&args, control.as_ref());
+    if let (Some(c), Err(e)) = (&control, &result) {
+        c.status(&RunnerStatus::Failed(format!("{e:#}")));
+    }
+    result
+}
+
+fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
     let token = std::env::var(TOKEN_ENV).with_context(|| format!("{TOKEN_ENV} is not set"))?;
     let world = args.addrs.len();
     let addr = *args
@@ -303,10 +405,10 @@ fn serve_rank(args: RankArgs) -> Result<()> {
         .with_context(|| format!("rank {} of {world} addresses", args.rank))?;
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
-    let transport = TcpTransport::connect(
-        &TcpConfig::new(args.rank, args.addrs.clone(), token),
-        listener,
-    )?;
+    let transport = TcpTransport::connect(&TcpConfig::new(args.rank, args.addrs.clone(), token), listener)?;
+    if let Some(c) = control {
+        c.status(&RunnerStatus::Loading(0.0));
+    }
     let config = model_config(&args.model)?;
     let spec = plan(&config, args.strategy, world)?
         .into_iter()
@@ -319,14 +421,354 @@ fn serve_rank(args: RankArgs) -> Result<()> {
     let engine = Engine::load_part(&args.model, &options, &move |_| load.clone())?;
     let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
     let mut rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
-    rank.follow()
-        .with_context(|| format!("rank {}", args.rank))?;
+    if let Some(c) = control {
+        c.status(&RunnerStatus::Ready);
+    }
+    if args.rank > 0 {
+        rank.follow().with_context(|| format!("rank {}", args.rank))?;
+        return Ok(());
+    }
+    let Some(control) = control else {
+        bail!("rank 0 without --control has nothing to answer");
+    };
+    let model = SplitModel::new(rank);
+    let answered = control.serve(&engine, &model);
+    let _ = model.shutdown();
+    answered
+}
+
+/// A runner's line to its node: JSON lines out (status, heartbeats, answers), requests in.
+struct Control {
+    writer: std::sync::Arc<std::sync::Mutex<std::os::unix::net::UnixStream>>,
+    reader: std::sync::Mutex<std::io::BufReader<std::os::unix::net::UnixStream>>,
+}
+
+impl Control {
+    fn connect(path: &std::path::Path) -> Result<Self> {
+        let stream = std::os::unix::net::UnixStream::connect(path)
+            .with_context(|| format!("cannot reach the node at {}", path.display()))?;
+        let reader = std::io::BufReader::new(stream.try_clone()?);
+        let writer = std::sync::Arc::new(std::sync::Mutex::new(stream));
+        // Heartbeats from a thread of their own: the node tells a frozen process from a
+        // busy one. When the node is gone the write fails and the runner leaves.
+        let beat = std::sync::Arc::clone(&writer);
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            loop {
+                n += 1;
+                let line = format!("{}\n", serde_json::json!({ "heartbeat": n }));
+                let ok = beat
+                    .lock()
+                    .map(|mut w| w.write_all(line.as_bytes()).is_ok())
+                    .unwrap_or(false);
+                if !ok {
+                    eprintln!("error: the node closed this runner's control socket");
+                    std::process::exit(1);
+                }
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        });
+        Ok(Self {
+            writer,
+            reader: std::sync::Mutex::new(reader),
+        })
+    }
+
+    fn send(&self, v: serde_json::Value) -> bool {
+        let line = format!("{v}\n");
+        self.writer
+            .lock()
+            .map(|mut w| w.write_all(line.as_bytes()).is_ok())
+            .unwrap_or(false)
+    }
+
+    fn status(&self, s: &RunnerStatus) {
+        self.send(serde_json::json!({ "status": s }));
+    }
+
+    /// Rank 0: answers the node's requests one at a time until the node goes away.
+    fn serve(&self, engine: &Engine, model: &SplitModel<TcpTransport>) -> Result<()> {
+        loop {
+            let mut line = String::new();
+            let n = self
+                .reader
+                .lock()
+                .map_err(|_| anyhow::anyhow!("control reader poisoned"))?
+                .read_line(&mut line)?;
+            if n == 0 {
+                return Ok(()); // the node closed the socket
+            }
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                self.send(serde_json::json!({ "error": "a request that is not JSON" }));
+                continue;
+            };
+            let Some(req) = v.get("generate") else {
+                continue;
+            };
+            self.status(&RunnerStatus::Running);
+            let result = self.answer(engine, model, req);
+            self.status(&RunnerStatus::Ready);
+            match result {
+                Ok(()) => {
+                    self.send(serde_json::json!({ "done": true }));
+                }
+                Err(e) => {
+                    self.send(serde_json::json!({ "error": format!("{e:#}") }));
+                    if e.to_string().contains("split model failed") {
+                        return Err(e); // the instance is broken: leave so it is placed again
+                    }
+                }
+            }
+        }
+    }
+
+    fn answer(&self, engine: &Engine, model: &SplitModel<TcpTransport>, req: &serde_json::Value) -> Result<()> {
+        let prompt = req.get("prompt").and_then(|p| p.as_str()).unwrap_or_default();
+        let raw = req.get("raw").and_then(|r| r.as_bool()).unwrap_or(false);
+        let ids = if raw {
+            engine.raw_prompt(prompt)?
+        } else {
+            engine.chat_prompt(&[ChatMessage::new("user", prompt)])?
+        };
+        let num = |k: &str| req.get(k).and_then(|v| v.as_f64());
+        let params = GenerateParams {
+            max_tokens: num("max_tokens").map_or(256, |v| v as usize),
+            sampling: SamplingParams {
+                temperature: num("temperature").unwrap_or(0.0) as f32,
+                seed: num("seed").unwrap_or(0.0) as u64,
+                ..SamplingParams::default()
+            },
+            ..GenerateParams::default()
+        };
+        let mut session = model.session();
+        engine.generate_in(&mut session, &ids, &params, &mut |piece| {
+            self.send(serde_json::json!({ "text": piece }))
+        })?;
+        Ok(())
+    }
+}
+
+fn node(args: NodeArgs) -> Result<()> {
+    let data_dir = args
+        .data_dir
+        .unwrap_or_else(|| Store::from_env().home().join("node"));
+    shoal_node::run_blocking(shoal_node::NodeConfig {
+        data_dir,
+        http: args.listen,
+        p2p: args.p2p_listen,
+        peers: args.peer,
+        cluster_key_file: args.cluster_key_file,
+        mdns: !args.no_mdns,
+        stall_timeout: Duration::from_secs_f64(args.stall_timeout.max(1.0)),
+        exe: std::env::current_exe().context("cannot find the shoal executable")?,
+        runner_threads: args.runner_threads,
+    })
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .max_redirects(0)
+        .http_status_as_error(false)
+        .timeout_connect(Some(Duration::from_secs(5)))
+        .build()
+        .into()
+}
+
+/// The error a node answered with, from its JSON body.
+fn node_error(status: u16, body: &str) -> anyhow::Error {
+    let msg = serde_json::from_str::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+        .unwrap_or_else(|| body.trim().to_string());
+    anyhow::anyhow!("the node answered {status}: {msg}")
+}
+
+fn get_json(node: &str, path: &str) -> Result<serde_json::Value> {
+    let url = format!("http://{node}{path}");
+    let resp = agent()
+        .get(&url)
+        .config()
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .call()
+        .with_context(|| format!("cannot reach the node at {node}"))?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().read_to_string()?;
+    if status != 200 {
+        return Err(node_error(status, &body));
+    }
+    Ok(serde_json::from_str(&body)?)
+}
+
+fn post_json(node: &str, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
+    let url = format!("http://{node}{path}");
+    let resp = agent()
+        .post(&url)
+        .config()
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .send_json(body)
+        .with_context(|| format!("cannot reach the node at {node}"))?;
+    let status = resp.status().as_u16();
+    let text = resp.into_body().read_to_string()?;
+    if status != 200 {
+        return Err(node_error(status, &text));
+    }
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn status(node: &str, json: bool) -> Result<()> {
+    let v = get_json(node, "/v1/status")?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let s = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
+    println!("node   {}", s(&v["node_id"]));
+    println!("master {} (term {}, index {})", s(&v["master_id"]), v["term"], v["index"]);
+    println!("nodes:");
+    for n in v["nodes"].as_array().into_iter().flatten() {
+        let r = &n["resources"];
+        println!(
+            "  {}  http {}  memory {}/{} MiB free  cores {}  models {}",
+            s(&n["id"]),
+            s(&n["http"]),
+            r["memory_free"].as_u64().unwrap_or(0) >> 20,
+            r["memory_total"].as_u64().unwrap_or(0) >> 20,
+            r["cores"],
+            n["models"]
+        );
+    }
+    println!("instances:");
+    for i in v["instances"].as_array().into_iter().flatten() {
+        println!(
+            "  {}  {}  {}  {}",
+            s(&i["id"]),
+            s(&i["model"]),
+            s(&i["strategy"]),
+            i["status"]
+        );
+        for (r, slot) in i["ranks"].as_array().into_iter().flatten().enumerate() {
+            println!("    rank {r}: {}  {}  {}", s(&slot["node"]), s(&slot["addr"]), slot["status"]);
+        }
+    }
     Ok(())
+}
+
+fn place(
+    node: &str,
+    model: &str,
+    preview: bool,
+    strategy: Option<String>,
+    nodes: Option<usize>,
+    ctx: Option<usize>,
+    json: bool,
+) -> Result<()> {
+    let body = serde_json::json!({
+        "model": model, "strategy": strategy, "nodes": nodes, "ctx": ctx, "preview": preview,
+    });
+    let v = post_json(node, "/v1/place", &body)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    if preview {
+        for p in v.as_array().into_iter().flatten() {
+            let mem: Vec<String> = p["memory"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|m| format!("{} MiB", m.as_u64().unwrap_or(0) >> 20))
+                .collect();
+            println!(
+                "{:<9} over {} node(s): {}",
+                p["strategy"].as_str().unwrap_or(""),
+                p["nodes"].as_array().map_or(0, Vec::len),
+                p["nodes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .zip(&mem)
+                    .map(|(n, m)| format!("{} {m}", n.as_str().unwrap_or("")))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    } else {
+        println!(
+            "placed {} ({} over {} node(s))",
+            v["id"].as_str().unwrap_or(""),
+            v["strategy"].as_str().unwrap_or(""),
+            v["ranks"].as_array().map_or(0, Vec::len)
+        );
+    }
+    Ok(())
+}
+
+fn run_remote(node: &str, args: &RunArgs) -> Result<()> {
+    let model = &args.model.model;
+    let body = serde_json::json!({
+        "model": model,
+        "prompt": args.prompt.clone().unwrap_or_default(),
+        "raw": args.raw,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+    });
+    let mut target = node.to_string();
+    for _ in 0..4 {
+        let url = format!("http://{target}/v1/run");
+        let resp = agent()
+            .post(&url)
+            .send_json(&body)
+            .with_context(|| format!("cannot reach the node at {target}"))?;
+        let status = resp.status().as_u16();
+        if status == 307 {
+            let loc = resp
+                .headers()
+                .get("location")
+                .and_then(|l| l.to_str().ok())
+                .context("a redirect without a location")?;
+            target = loc
+                .trim_start_matches("http://")
+                .trim_end_matches("/v1/run")
+                .to_string();
+            continue;
+        }
+        if status != 200 {
+            let text = resp.into_body().read_to_string().unwrap_or_default();
+            return Err(node_error(status, &text));
+        }
+        let mut reader = resp.into_body().into_reader();
+        let mut out = std::io::stdout().lock();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = std::io::Read::read(&mut reader, &mut buf).context("the answer's stream broke")?;
+            if n == 0 {
+                break;
+            }
+            let chunk = &buf[..n];
+            if let Some(at) = chunk.iter().position(|&b| b == 0) {
+                out.write_all(&chunk[..at])?;
+                let rest = String::from_utf8_lossy(&chunk[at + 1..]).to_string();
+                writeln!(out)?;
+                bail!("{}", rest.trim_start_matches("error: "));
+            }
+            out.write_all(chunk)?;
+            out.flush()?;
+        }
+        writeln!(out)?;
+        return Ok(());
+    }
+    bail!("too many redirects")
 }
 
 fn run_prompt(args: RunArgs) -> Result<()> {
     if !args.interactive && args.prompt.is_none() {
         bail!("give a prompt, or -i for an interactive chat");
+    }
+    if let Some(node) = &args.node {
+        return run_remote(node, &args);
     }
     let mut loaded = Loaded::open(&args.model)?;
     let params = GenerateParams {
