@@ -7,13 +7,13 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use shoal_cluster::RunnerStatus;
 use shoal_collectives::Group;
 use shoal_collectives::tcp::{TcpConfig, TcpTransport};
 use shoal_engine::{
     BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
 };
 use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks};
-use shoal_cluster::RunnerStatus;
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
 use shoal_tokenizer::ChatMessage;
@@ -405,7 +405,10 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         .with_context(|| format!("rank {} of {world} addresses", args.rank))?;
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
-    let transport = TcpTransport::connect(&TcpConfig::new(args.rank, args.addrs.clone(), token), listener)?;
+    let transport = TcpTransport::connect(
+        &TcpConfig::new(args.rank, args.addrs.clone(), token),
+        listener,
+    )?;
     if let Some(c) = control {
         c.status(&RunnerStatus::Loading(0.0));
     }
@@ -425,7 +428,8 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         c.status(&RunnerStatus::Ready);
     }
     if args.rank > 0 {
-        rank.follow().with_context(|| format!("rank {}", args.rank))?;
+        rank.follow()
+            .with_context(|| format!("rank {}", args.rank))?;
         return Ok(());
     }
     let Some(control) = control else {
@@ -522,8 +526,16 @@ impl Control {
         }
     }
 
-    fn answer(&self, engine: &Engine, model: &SplitModel<TcpTransport>, req: &serde_json::Value) -> Result<()> {
-        let prompt = req.get("prompt").and_then(|p| p.as_str()).unwrap_or_default();
+    fn answer(
+        &self,
+        engine: &Engine,
+        model: &SplitModel<TcpTransport>,
+        req: &serde_json::Value,
+    ) -> Result<()> {
+        let prompt = req
+            .get("prompt")
+            .and_then(|p| p.as_str())
+            .unwrap_or_default();
         let raw = req.get("raw").and_then(|r| r.as_bool()).unwrap_or(false);
         let ids = if raw {
             engine.raw_prompt(prompt)?
@@ -625,7 +637,12 @@ fn status(node: &str, json: bool) -> Result<()> {
     }
     let s = |v: &serde_json::Value| v.as_str().unwrap_or("-").to_string();
     println!("node   {}", s(&v["node_id"]));
-    println!("master {} (term {}, index {})", s(&v["master_id"]), v["term"], v["index"]);
+    println!(
+        "master {} (term {}, index {})",
+        s(&v["master_id"]),
+        v["term"],
+        v["index"]
+    );
     println!("nodes:");
     for n in v["nodes"].as_array().into_iter().flatten() {
         let r = &n["resources"];
@@ -649,7 +666,12 @@ fn status(node: &str, json: bool) -> Result<()> {
             i["status"]
         );
         for (r, slot) in i["ranks"].as_array().into_iter().flatten().enumerate() {
-            println!("    rank {r}: {}  {}  {}", s(&slot["node"]), s(&slot["addr"]), slot["status"]);
+            println!(
+                "    rank {r}: {}  {}  {}",
+                s(&slot["node"]),
+                s(&slot["addr"]),
+                slot["status"]
+            );
         }
     }
     Ok(())
@@ -743,7 +765,8 @@ fn run_remote(node: &str, args: &RunArgs) -> Result<()> {
         let mut out = std::io::stdout().lock();
         let mut buf = [0u8; 4096];
         loop {
-            let n = std::io::Read::read(&mut reader, &mut buf).context("the answer's stream broke")?;
+            let n =
+                std::io::Read::read(&mut reader, &mut buf).context("the answer's stream broke")?;
             if n == 0 {
                 break;
             }

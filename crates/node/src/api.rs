@@ -50,8 +50,14 @@ async fn ask<T>(
         .map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "the node is stopping"))?;
     match tokio::time::timeout(LOOP_DEADLINE, rx).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(_)) => Err(error(StatusCode::INTERNAL_SERVER_ERROR, "the node dropped the call")),
-        Err(_) => Err(error(StatusCode::GATEWAY_TIMEOUT, "the node did not answer in time")),
+        Ok(Err(_)) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the node dropped the call",
+        )),
+        Err(_) => Err(error(
+            StatusCode::GATEWAY_TIMEOUT,
+            "the node did not answer in time",
+        )),
     }
 }
 
@@ -72,7 +78,10 @@ struct PlaceBody {
     preview: bool,
 }
 
-async fn place(State(calls): State<mpsc::Sender<ApiCall>>, body: Result<Json<PlaceBody>, axum::extract::rejection::JsonRejection>) -> Response {
+async fn place(
+    State(calls): State<mpsc::Sender<ApiCall>>,
+    body: Result<Json<PlaceBody>, axum::extract::rejection::JsonRejection>,
+) -> Response {
     let Json(b) = match body {
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
@@ -97,15 +106,24 @@ async fn place(State(calls): State<mpsc::Sender<ApiCall>>, body: Result<Json<Pla
     }
 }
 
-async fn run(State(calls): State<mpsc::Sender<ApiCall>>, body: Result<Json<Value>, axum::extract::rejection::JsonRejection>) -> Response {
+async fn run(
+    State(calls): State<mpsc::Sender<ApiCall>>,
+    body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
+) -> Response {
     let Json(body) = match body {
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
     };
     if body.get("prompt").and_then(Value::as_str).is_none() {
-        return error(StatusCode::BAD_REQUEST, "the body needs a \"prompt\" string");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "the body needs a \"prompt\" string",
+        );
     }
-    let model = body.get("model").and_then(Value::as_str).map(str::to_string);
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     let route = match ask(&calls, |reply| ApiCall::Route { model, reply }).await {
         Ok(Ok(r)) => r,
         Ok(Err(why)) => return error(StatusCode::SERVICE_UNAVAILABLE, why),

@@ -301,7 +301,9 @@ impl Daemon {
                 let ahead = self
                     .alive
                     .iter()
-                    .filter(|(_, (_, hb))| hb.index > self.state.index && hb.term >= self.state.term)
+                    .filter(|(_, (_, hb))| {
+                        hb.index > self.state.index && hb.term >= self.state.term
+                    })
                     .max_by_key(|(_, (_, hb))| (hb.term, hb.index))
                     .map(|(id, _)| id.clone());
                 if let Some(peer) = ahead {
@@ -341,7 +343,11 @@ impl Daemon {
         let Ok(p) = peer.parse::<PeerId>() else {
             return;
         };
-        let id = self.swarm.behaviour_mut().rpc.send_request(&p, Request::CatchUp);
+        let id = self
+            .swarm
+            .behaviour_mut()
+            .rpc
+            .send_request(&p, Request::CatchUp);
         self.pending.insert(id, Pending::CatchUp);
         self.catching_up = true;
     }
@@ -384,7 +390,10 @@ impl Daemon {
             let wait = Duration::from_secs(1 << (attempt - 1));
             self.retry
                 .insert(inst.model.clone(), (Instant::now() + wait, attempt));
-            self.retry_strategy.insert(inst.model.clone(), (inst.strategy, inst.ranks.len(), inst.context));
+            self.retry_strategy.insert(
+                inst.model.clone(),
+                (inst.strategy, inst.ranks.len(), inst.context),
+            );
             tracing::warn!(model = %inst.model, reason, attempt, "instance failed; placing it again");
         }
         let due: Vec<String> = self
@@ -543,7 +552,12 @@ impl Daemon {
         attempt: u32,
     ) -> Result<Instance, String> {
         let req = Self::request(model, strategy, nodes, context)?;
-        if !self.state.nodes.values().any(|n| n.models.contains(&req.model.name)) {
+        if !self
+            .state
+            .nodes
+            .values()
+            .any(|n| n.models.contains(&req.model.name))
+        {
             return Err(format!(
                 "no node has {model}: install it on one (`shoal pull {model}` with the node's SHOAL_HOME) and the others copy it"
             ));
@@ -634,7 +648,8 @@ impl Daemon {
                     } else {
                         self.config.p2p.ip().to_string()
                     };
-                    match std::net::TcpListener::bind((ip.as_str(), 0)).and_then(|l| l.local_addr()) {
+                    match std::net::TcpListener::bind((ip.as_str(), 0)).and_then(|l| l.local_addr())
+                    {
                         Ok(a) => {
                             self.local.ports.insert((instance.clone(), rank));
                             self.command(Command::RankAddr {
@@ -809,14 +824,21 @@ impl Daemon {
             .map(|b| format!("{b:02x}"))
             .collect();
         if digest != f.card.sha256 || f.offset != total {
-            tracing::error!(model, digest, "copied file does not match the card; discarded");
+            tracing::error!(
+                model,
+                digest,
+                "copied file does not match the card; discarded"
+            );
             let _ = std::fs::remove_file(&f.partial);
             return;
         }
         let _ = f.file.flush();
         let path = self.store.model_path(&f.card);
         if std::fs::rename(&f.partial, &path).is_ok() {
-            let _ = std::fs::write(self.store.model_dir(&f.card).join(".sha256"), &f.card.sha256);
+            let _ = std::fs::write(
+                self.store.model_dir(&f.card).join(".sha256"),
+                &f.card.sha256,
+            );
             tracing::info!(model, "model file copied and verified");
         }
     }
@@ -851,7 +873,8 @@ impl Daemon {
     fn on_swarm(&mut self, ev: SwarmEvent<BehaviourEvent>) {
         match ev {
             SwarmEvent::Behaviour(BehaviourEvent::Gossip(gossipsub::Event::Message {
-                message, ..
+                message,
+                ..
             })) => {
                 let Some(source) = message.source.map(|p| p.to_string()) else {
                     return;
@@ -886,11 +909,19 @@ impl Daemon {
                     }
                 }
             }
-            SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => {
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } => {
                 // A peer whose every connection closed is gone now (kill -9, cable).
                 self.alive.remove(&peer_id.to_string());
             }
-            SwarmEvent::IncomingConnectionError { error, send_back_addr, .. } => {
+            SwarmEvent::IncomingConnectionError {
+                error,
+                send_back_addr,
+                ..
+            } => {
                 tracing::debug!(%send_back_addr, %error, "refused a connection (wrong cluster key?)");
             }
             _ => {}
@@ -968,7 +999,13 @@ impl Daemon {
                 if !self.leading {
                     Response::Refused("this node is not the master".into())
                 } else {
-                    match self.place_now(&req.model.name, req.strategy, req.nodes, Some(req.context), 0) {
+                    match self.place_now(
+                        &req.model.name,
+                        req.strategy,
+                        req.nodes,
+                        Some(req.context),
+                        0,
+                    ) {
                         Ok(i) => Response::Placed(i),
                         Err(e) => Response::Refused(e),
                     }
@@ -991,7 +1028,9 @@ impl Daemon {
         match (self.pending.remove(&id), response) {
             (Some(Pending::CatchUp), Response::Snapshot { term, state }) => {
                 self.catching_up = false;
-                if term >= self.state.term && state.index >= self.state.index || term > self.state.term {
+                if term >= self.state.term && state.index >= self.state.index
+                    || term > self.state.term
+                {
                     tracing::info!(index = state.index, term, "caught up from a snapshot");
                     self.highest_term = self.highest_term.max(term);
                     self.state = state;
@@ -1067,7 +1106,11 @@ impl Daemon {
                         .and_then(|i| serde_json::to_value(i).map_err(|e| e.to_string()));
                     let _ = reply.send(r);
                 } else if let Some(m) = self.master_peer() {
-                    let id = self.swarm.behaviour_mut().rpc.send_request(&m, Request::Place(req));
+                    let id = self
+                        .swarm
+                        .behaviour_mut()
+                        .rpc
+                        .send_request(&m, Request::Place(req));
                     self.pending.insert(id, Pending::Place(reply));
                 } else {
                     let _ = reply.send(Err("no master yet; try again in a moment".into()));

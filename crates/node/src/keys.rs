@@ -103,7 +103,10 @@ mod tests {
     #[test]
     fn keys_round_trip_and_bad_keys_are_refused() {
         let k = new_cluster_key().expect("key");
-        assert_eq!(hex(&parse_cluster_key(&format!(" {k}\n")).expect("parse")), k);
+        assert_eq!(
+            hex(&parse_cluster_key(&format!(" {k}\n")).expect("parse")),
+            k
+        );
         assert!(parse_cluster_key("abc").is_err());
         assert!(parse_cluster_key(&"g".repeat(64)).is_err());
         let dir = std::env::temp_dir().join(format!("shoal-keys-{}", std::process::id()));

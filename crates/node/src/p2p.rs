@@ -18,7 +18,9 @@ use libp2p::swarm::NetworkBehaviour;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::{Multiaddr, StreamProtocol, Swarm, Transport, mdns, noise, tcp, yamux};
 use serde::{Deserialize, Serialize};
-use shoal_cluster::{ClusterState, Indexed, Instance, NodeId, NodeInfo, PlaceRequest, RunnerStatus};
+use shoal_cluster::{
+    ClusterState, Indexed, Instance, NodeId, NodeInfo, PlaceRequest, RunnerStatus,
+};
 
 pub const HEARTBEAT_TOPIC: &str = "shoal/heartbeat/1";
 pub const COMMANDS_TOPIC: &str = "shoal/commands/1";
@@ -54,7 +56,10 @@ pub enum Command {
 pub enum Published {
     Event(Indexed),
     /// A new master's whole state, with its term.
-    Snapshot { term: u64, state: ClusterState },
+    Snapshot {
+        term: u64,
+        state: ClusterState,
+    },
 }
 
 /// Direct requests between nodes.
@@ -65,12 +70,19 @@ pub enum Request {
     /// Create an instance (sent to the master).
     Place(PlaceRequest),
     /// `len` bytes of model `model`'s file from `offset`.
-    Chunk { model: String, offset: u64, len: u64 },
+    Chunk {
+        model: String,
+        offset: u64,
+        len: u64,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Response {
-    Snapshot { term: u64, state: ClusterState },
+    Snapshot {
+        term: u64,
+        state: ClusterState,
+    },
     Placed(Instance),
     Refused(String),
     Chunk {
@@ -93,43 +105,51 @@ pub fn build(key: Keypair, cluster_key: [u8; 32], mdns_on: bool) -> Result<Swarm
     let psk = PreSharedKey::new(cluster_key);
     let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
-        .with_other_transport(|key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
-            let noise = noise::Config::new(key)?;
-            Ok(tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
-                .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
-                .upgrade(Version::V1Lazy)
-                .authenticate(noise)
-                .multiplex(yamux::Config::default())
-                .timeout(Duration::from_secs(10))
-                .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer))))
-        })
+        .with_other_transport(
+            |key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+                let noise = noise::Config::new(key)?;
+                Ok(
+                    tcp::tokio::Transport::new(tcp::Config::default().nodelay(true))
+                        .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
+                        .upgrade(Version::V1Lazy)
+                        .authenticate(noise)
+                        .multiplex(yamux::Config::default())
+                        .timeout(Duration::from_secs(10))
+                        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer))),
+                )
+            },
+        )
         .context("transport")?
-        .with_behaviour(|key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
-            let config = gossipsub::ConfigBuilder::default()
-                .heartbeat_interval(Duration::from_millis(250))
-                .validation_mode(gossipsub::ValidationMode::Strict)
-                .flood_publish(true)
-                .max_transmit_size(8 << 20)
-                .build()?;
-            let gossip = gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), config)?;
-            let rpc = request_response::cbor::Behaviour::new(
-                [(StreamProtocol::new("/shoal/rpc/1"), ProtocolSupport::Full)],
-                request_response::Config::default().with_request_timeout(Duration::from_secs(30)),
-            );
-            let mdns = if mdns_on {
-                Some(mdns::tokio::Behaviour::new(
-                    mdns::Config::default(),
-                    key.public().to_peer_id(),
-                )?)
-            } else {
-                None
-            };
-            Ok(Behaviour {
-                gossip,
-                rpc,
-                mdns: Toggle::from(mdns),
-            })
-        })
+        .with_behaviour(
+            |key| -> Result<_, Box<dyn std::error::Error + Send + Sync>> {
+                let config = gossipsub::ConfigBuilder::default()
+                    .heartbeat_interval(Duration::from_millis(250))
+                    .validation_mode(gossipsub::ValidationMode::Strict)
+                    .flood_publish(true)
+                    .max_transmit_size(8 << 20)
+                    .build()?;
+                let gossip =
+                    gossipsub::Behaviour::new(MessageAuthenticity::Signed(key.clone()), config)?;
+                let rpc = request_response::cbor::Behaviour::new(
+                    [(StreamProtocol::new("/shoal/rpc/1"), ProtocolSupport::Full)],
+                    request_response::Config::default()
+                        .with_request_timeout(Duration::from_secs(30)),
+                );
+                let mdns = if mdns_on {
+                    Some(mdns::tokio::Behaviour::new(
+                        mdns::Config::default(),
+                        key.public().to_peer_id(),
+                    )?)
+                } else {
+                    None
+                };
+                Ok(Behaviour {
+                    gossip,
+                    rpc,
+                    mdns: Toggle::from(mdns),
+                })
+            },
+        )
         .context("behaviour")?
         .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(3600)))
         .build();

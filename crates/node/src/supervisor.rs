@@ -75,7 +75,10 @@ const LIVENESS: Duration = Duration::from_secs(5);
 const CONNECT: Duration = Duration::from_secs(30);
 
 /// Starts a runner and its supervising task.
-pub fn start(spec: RunnerSpec, reports: mpsc::Sender<RunnerReport>) -> std::io::Result<RunnerHandle> {
+pub fn start(
+    spec: RunnerSpec,
+    reports: mpsc::Sender<RunnerReport>,
+) -> std::io::Result<RunnerHandle> {
     std::fs::create_dir_all(&spec.socket_dir)?;
     let socket = spec
         .socket_dir
@@ -151,7 +154,10 @@ async fn supervise(
         {
             let line = serde_json::json!({ "generate": job.body }).to_string() + "\n";
             if let Err(e) = write.write_all(line.as_bytes()).await {
-                let _ = job.reply.send(Err(format!("runner unreachable: {e}"))).await;
+                let _ = job
+                    .reply
+                    .send(Err(format!("runner unreachable: {e}")))
+                    .await;
             } else {
                 last_progress = Instant::now();
                 current = Some(job);
