@@ -28,8 +28,8 @@ use shoal_cluster::election::{Decision, decide};
 use shoal_cluster::placement::{ModelFacts, PlaceRequest, Plan, place};
 use shoal_cluster::worker::{Action, Local, plan};
 use shoal_cluster::{
-    Backend, ClusterState, Event, Indexed, Instance, InstanceStatus, NodeId, NodeInfo, RankSlot,
-    Resources, RunnerStatus, apply,
+    Backend, ClusterState, Event, Indexed, Instance, InstanceStatus, LinkStats, NodeId, NodeInfo,
+    RankSlot, Resources, RunnerStatus, apply,
 };
 use shoal_store::{ModelCard, Store, builtin_cards};
 use tokio::sync::{mpsc, oneshot};
@@ -107,7 +107,14 @@ enum Pending {
     Place(oneshot::Sender<Result<serde_json::Value, String>>),
     CatchUp,
     Chunk(String),
+    /// A link probe to a peer: sent when, and with how many bytes.
+    Probe(PeerId, Instant, usize),
 }
+
+/// Bytes of the bulk link probe.
+const PROBE_BYTES: usize = 512 << 10; // under the codec's 1 MiB request limit
+/// How often each link is probed.
+const PROBE_EVERY: Duration = Duration::from_secs(10);
 
 struct Daemon {
     config: NodeConfig,
@@ -136,6 +143,11 @@ struct Daemon {
     /// The failed instance's shape, tried first when placing it again.
     retry_strategy: HashMap<String, (shoal_cluster::Strategy, usize, usize)>,
     log: Option<std::fs::File>,
+    /// Measured links to peers, and when each was last probed.
+    links: HashMap<NodeId, LinkStats>,
+    last_probe: HashMap<PeerId, Instant>,
+    /// The last fetch progress reported per model (tenths).
+    fetch_reported: HashMap<String, u64>,
 }
 
 /// Runs a node until interrupted.
@@ -200,6 +212,9 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         retry: HashMap::new(),
         retry_strategy: HashMap::new(),
         log,
+        links: HashMap::new(),
+        last_probe: HashMap::new(),
+        fetch_reported: HashMap::new(),
         config,
     };
     tracing::info!(node = %me, http = %http, "node started");
@@ -272,8 +287,59 @@ impl Daemon {
         if self.leading {
             self.master_duties();
         }
+        self.probe();
         self.report();
         self.work();
+    }
+
+    /// Measures each link now and then: a small round trip (latency), then 512 KiB
+    /// (bandwidth).
+    fn probe(&mut self) {
+        let peers: Vec<PeerId> = self.swarm.connected_peers().copied().collect();
+        for peer in peers {
+            if self
+                .last_probe
+                .get(&peer)
+                .is_some_and(|t| t.elapsed() < PROBE_EVERY)
+            {
+                continue;
+            }
+            self.last_probe.insert(peer, Instant::now());
+            let id = self.swarm.behaviour_mut().rpc.send_request(
+                &peer,
+                Request::Probe {
+                    payload: Vec::new(),
+                },
+            );
+            self.pending
+                .insert(id, Pending::Probe(peer, Instant::now(), 0));
+        }
+    }
+
+    fn on_probe(&mut self, peer: PeerId, sent: Instant, bytes: usize) {
+        let took = sent.elapsed();
+        let id = peer.to_string();
+        if bytes == 0 {
+            let rtt_us = took.as_micros() as u64;
+            let entry = self.links.entry(id).or_insert(LinkStats {
+                rtt_us,
+                bandwidth: 0,
+            });
+            entry.rtt_us = rtt_us;
+            let id = self.swarm.behaviour_mut().rpc.send_request(
+                &peer,
+                Request::Probe {
+                    payload: vec![0u8; PROBE_BYTES],
+                },
+            );
+            self.pending
+                .insert(id, Pending::Probe(peer, Instant::now(), PROBE_BYTES));
+        } else if let Some(l) = self.links.get_mut(&id) {
+            let secs = took
+                .saturating_sub(Duration::from_micros(l.rtt_us))
+                .as_secs_f64();
+            l.bandwidth = (bytes as f64 / secs.max(1e-6)) as u64;
+        }
     }
 
     fn dial_statics(&mut self) {
@@ -611,7 +677,21 @@ impl Daemon {
                 backend: Backend::Cpu,
             },
             models,
-            links: Default::default(),
+            // Rounded (1 ms, 10 MB/s), so that jitter does not make events.
+            links: self
+                .links
+                .iter()
+                .filter(|(id, _)| self.alive.contains_key(*id))
+                .map(|(id, l)| {
+                    (
+                        id.clone(),
+                        LinkStats {
+                            rtt_us: l.rtt_us.div_ceil(1000) * 1000,
+                            bandwidth: l.bandwidth / 10_000_000 * 10_000_000,
+                        },
+                    )
+                })
+                .collect(),
         }
     }
 
@@ -802,6 +882,32 @@ impl Daemon {
         }
         f.hasher.update(&data);
         f.offset += data.len() as u64;
+        let tenths = f.offset * 10 / total.max(1);
+        if self.fetch_reported.get(model) != Some(&tenths) {
+            self.fetch_reported.insert(model.to_string(), tenths);
+            let fraction = f.offset as f32 / total.max(1) as f32;
+            let mine: Vec<(String, usize)> = self
+                .state
+                .instances
+                .values()
+                .filter(|i| i.model == model)
+                .flat_map(|i| {
+                    i.ranks
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| r.node == self.me)
+                        .map(|(r, _)| (i.id.clone(), r))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            for (instance, rank) in mine {
+                self.command(Command::RankStatus {
+                    instance,
+                    rank,
+                    status: RunnerStatus::Fetching(fraction),
+                });
+            }
+        }
         if f.offset < total && !data.is_empty() {
             let id = self.swarm.behaviour_mut().rpc.send_request(
                 &f.from,
@@ -978,6 +1084,7 @@ impl Daemon {
                         let _ = reply.send(Err(why));
                     }
                     Some(Pending::CatchUp) => self.catching_up = false,
+                    Some(Pending::Probe(..)) => {}
                     Some(Pending::Chunk(model)) => {
                         tracing::warn!(model, why, "fetch interrupted; will resume");
                         self.fetches.remove(&model);
@@ -1012,6 +1119,7 @@ impl Daemon {
                 }
             }
             Request::Chunk { model, offset, len } => self.serve_chunk(&model, offset, len),
+            Request::Probe { .. } => Response::Probe,
         };
         if self
             .swarm
@@ -1049,6 +1157,9 @@ impl Daemon {
             (Some(Pending::Chunk(model)), Response::Error(why)) => {
                 tracing::warn!(model, why, "peer cannot send the model file");
                 self.fetches.remove(&model);
+            }
+            (Some(Pending::Probe(peer, sent, bytes)), Response::Probe) => {
+                self.on_probe(peer, sent, bytes)
             }
             (Some(Pending::CatchUp), _) => self.catching_up = false,
             _ => {}

@@ -75,6 +75,11 @@ pub enum Request {
         offset: u64,
         len: u64,
     },
+    /// A link probe: echoed back empty (the payload measures bandwidth).
+    Probe {
+        #[serde(with = "serde_bytes")]
+        payload: Vec<u8>,
+    },
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -90,6 +95,7 @@ pub enum Response {
         data: Vec<u8>,
         total: u64,
     },
+    Probe,
     Error(String),
 }
 
