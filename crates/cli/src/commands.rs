@@ -13,6 +13,7 @@ use shoal_collectives::tcp::{TcpConfig, TcpTransport};
 use shoal_engine::{
     BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
 };
+use shoal_model::Compute;
 use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks};
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
@@ -51,6 +52,23 @@ enum Command {
     Node(NodeArgs),
     /// Print a new cluster key.
     Keygen,
+    /// Write a model with generated weights in the shape of a real one (benchmarks where
+    /// the real file cannot go, sharding tests).
+    Synth {
+        /// `qwen2.5-1.5b`, `llama-8b` or `llama-70b`.
+        #[arg(long)]
+        shape: String,
+        /// Matrix type: f32, f16, bf16, q8_0, q4_0, q4k, q6k.
+        #[arg(long, default_value = "q4k")]
+        dtype: String,
+        /// Fewer layers than the real model (a quicker file of the same width).
+        #[arg(long)]
+        layers: Option<usize>,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Nodes, instances and runners of the cluster.
     Status {
         #[command(flatten)]
@@ -97,6 +115,9 @@ struct ModelArgs {
     /// Context length to serve (default: the model's, at most 8192).
     #[arg(long)]
     ctx: Option<usize>,
+    /// Where to compute: `cpu` or `cuda:N` (a CUDA build, bf16).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Compute threads (default: every core; with --ranks, the cores shared out).
     #[arg(long, short = 't')]
     threads: Option<usize>,
@@ -269,6 +290,13 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Perplexity(args) => perplexity(args),
         Command::Rank(args) => serve_rank(args),
         Command::Node(args) => node(args),
+        Command::Synth {
+            shape,
+            dtype,
+            layers,
+            seed,
+            out,
+        } => synth(&shape, &dtype, layers, seed, &out),
         Command::Keygen => {
             println!("{}", shoal_node::keys::new_cluster_key()?);
             Ok(())
@@ -312,6 +340,7 @@ fn load(args: &ModelArgs) -> Result<Engine> {
     let path = store.resolve_or_pull(&args.model)?;
     let options = LoadOptions {
         context_length: args.ctx,
+        compute: Some(Compute::parse(&args.device)?),
     };
     Engine::load(&path, &options).with_context(|| format!("cannot load {}", path.display()))
 }
@@ -351,8 +380,15 @@ impl Loaded {
         };
         let (transport, ranks) = launch_ranks(&launch)?;
         let spec = specs[0].clone();
+        if args.device != "cpu" {
+            bail!(
+                "--ranks runs on CPU ranks; --device {} is for one process",
+                args.device
+            );
+        }
         let options = LoadOptions {
             context_length: args.ctx,
+            ..Default::default()
         };
         let load = spec.load.clone();
         let engine = Engine::load_part(&path, &options, &move |_| load.clone())
@@ -419,6 +455,7 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         .context("no shard for this rank")?;
     let options = LoadOptions {
         context_length: args.ctx,
+        ..Default::default()
     };
     let load = spec.load.clone();
     let engine = Engine::load_part(&args.model, &options, &move |_| load.clone())?;
@@ -558,6 +595,42 @@ impl Control {
         })?;
         Ok(())
     }
+}
+
+fn synth(
+    shape: &str,
+    dtype: &str,
+    layers: Option<usize>,
+    seed: u64,
+    out: &std::path::Path,
+) -> Result<()> {
+    use candle_core::quantized::GgmlDType;
+    let mut s = shoal_model::synthetic::SyntheticShape::preset(shape)
+        .with_context(|| format!("unknown shape {shape:?} (qwen2.5-1.5b, llama-8b, llama-70b)"))?;
+    if let Some(l) = layers {
+        s.layers = l.max(1);
+    }
+    let dt = match dtype {
+        "f32" => GgmlDType::F32,
+        "f16" => GgmlDType::F16,
+        "bf16" => GgmlDType::BF16,
+        "q8_0" => GgmlDType::Q8_0,
+        "q4_0" => GgmlDType::Q4_0,
+        "q4k" => GgmlDType::Q4K,
+        "q6k" => GgmlDType::Q6K,
+        _ => bail!("unknown dtype {dtype:?} (f32, f16, bf16, q8_0, q4_0, q4k, q6k)"),
+    };
+    let started = std::time::Instant::now();
+    shoal_model::synthetic::write_synthetic_gguf_fast(&s, dt, seed, out)?;
+    let size = std::fs::metadata(out).map_or(0, |m| m.len());
+    println!(
+        "wrote {} ({shape}, {} layers, {dtype}, {:.2} GB) in {:.1}s",
+        out.display(),
+        s.layers,
+        size as f64 / 1e9,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn node(args: NodeArgs) -> Result<()> {

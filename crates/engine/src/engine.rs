@@ -216,8 +216,13 @@ impl Engine {
             piece.is_empty() || on_text(piece)
         };
         while generated.len() < budget {
-            let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
-            let next = sampler.sample(&mut row, &history);
+            let next = if params.sampling.is_greedy() && !logits.device().is_cpu() {
+                // On a GPU: the arg-max there, one id back instead of the whole row.
+                logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?
+            } else {
+                let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
+                sampler.sample(&mut row, &history)
+            };
             if self.tokenizer.stop_ids().contains(&next) {
                 finish = FinishReason::Stop;
                 break;

@@ -2,7 +2,7 @@
 
 use std::path::Path;
 
-use shoal_model::{GgufFile, LoadSpec, Model, ModelConfig, SafetensorsDir, WeightSource};
+use shoal_model::{Compute, GgufFile, LoadSpec, Model, ModelConfig, SafetensorsDir, WeightSource};
 use shoal_tokenizer::{GgufVocab, Tokenizer};
 
 use crate::{Engine, Result};
@@ -12,6 +12,8 @@ use crate::{Engine, Result};
 pub struct LoadOptions {
     /// Context length to serve; the model's own (capped at 8192 by default) when `None`.
     pub context_length: Option<usize>,
+    /// Where to compute (the CPU in f32 by default).
+    pub compute: Option<Compute>,
 }
 
 /// The largest context shoal allocates unless asked for more: long contexts cost rope
@@ -92,7 +94,8 @@ impl Engine {
             context,
             "loading model"
         );
-        let model = Model::load(source.as_ref(), spec(&config), context)?;
+        let compute = options.compute.clone().unwrap_or_else(Compute::cpu);
+        let model = Model::load_on(source.as_ref(), spec(&config), context, &compute)?;
         Ok(Self::new(model, tokenizer))
     }
 }

@@ -21,6 +21,14 @@ pub struct SamplingParams {
     pub seed: u64,
 }
 
+impl SamplingParams {
+    /// Whether the next token is simply the most likely one (so it can be picked where
+    /// the logits are, without copying them).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 && (self.repetition_penalty - 1.0).abs() < f32::EPSILON
+    }
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         Self {

@@ -12,6 +12,7 @@ fn qwen2_5_coder_0_5b_matches_the_numpy_reference() {
         &common::model_path("qwen2.5-coder-0.5b"),
         &LoadOptions {
             context_length: Some(2048),
+            ..Default::default()
         },
     )
     .expect("load");

@@ -18,17 +18,32 @@ pub struct KvCache {
     first_layer: usize,
     len: usize,
     max_len: usize,
+    device: Device,
+    dtype: DType,
 }
 
 impl KvCache {
     /// A cache for layers `first_layer..first_layer + num_layers` of a model, holding at most
     /// `max_len` positions.
     pub fn new(first_layer: usize, num_layers: usize, max_len: usize) -> Self {
+        Self::new_on(first_layer, num_layers, max_len, &Device::Cpu, DType::F32)
+    }
+
+    /// [`KvCache::new`] with the keys and values on `device` in `dtype`.
+    pub fn new_on(
+        first_layer: usize,
+        num_layers: usize,
+        max_len: usize,
+        device: &Device,
+        dtype: DType,
+    ) -> Self {
         Self {
             layers: vec![None; num_layers],
             first_layer,
             len: 0,
             max_len,
+            device: device.clone(),
+            dtype,
         }
     }
 
@@ -111,8 +126,8 @@ impl KvCache {
                 .next_power_of_two()
                 .clamp(64, self.max_len.max(needed));
             let fresh = LayerCache {
-                k: Tensor::zeros((n_kv, new_cap, hd), DType::F32, &Device::Cpu)?,
-                v: Tensor::zeros((n_kv, new_cap, hd), DType::F32, &Device::Cpu)?,
+                k: Tensor::zeros((n_kv, new_cap, hd), self.dtype, &self.device)?,
+                v: Tensor::zeros((n_kv, new_cap, hd), self.dtype, &self.device)?,
             };
             if let Some(old) = slot.as_ref().filter(|_| self.len > 0) {
                 fresh

@@ -30,4 +30,53 @@ pub use shard::{ShardLinks, TensorSlice, tensor_slices};
 pub use transformer::{LoadSpec, Model, zigzag_pieces};
 pub use weights::{Weight, WeightSource};
 
-pub use candle_core::{Device, Tensor};
+pub use candle_core::{DType, Device, Tensor};
+
+/// Where a model computes and in which floating-point type its activations, caches and
+/// dense weights are kept.
+#[derive(Clone, Debug)]
+pub struct Compute {
+    pub device: Device,
+    pub dtype: DType,
+}
+
+impl Compute {
+    /// The CPU in f32 (shoal's kernels).
+    pub fn cpu() -> Self {
+        Self {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        }
+    }
+
+    /// `cpu`, or `cuda:N` (bf16), as `--device` spells it.
+    pub fn parse(spec: &str) -> Result<Self> {
+        if spec == "cpu" {
+            return Ok(Self::cpu());
+        }
+        let ordinal = match spec.strip_prefix("cuda") {
+            Some("") => 0,
+            Some(rest) => rest
+                .strip_prefix(':')
+                .and_then(|n| n.parse::<usize>().ok())
+                .ok_or_else(|| {
+                    ModelError::Invalid(format!("bad device {spec:?}: cpu or cuda:N"))
+                })?,
+            None => {
+                return Err(ModelError::Invalid(format!(
+                    "bad device {spec:?}: cpu or cuda:N"
+                )));
+            }
+        };
+        let device = Device::new_cuda(ordinal).map_err(|e| {
+            ModelError::Invalid(format!(
+                "cannot use {spec}: {} (a CUDA build is `scripts/build-cuda.sh`)",
+                candle_message(&e)
+            ))
+        })?;
+        Ok(Self {
+            device,
+            dtype: DType::BF16,
+        })
+    }
+}

@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Tensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{DType, Device, Tensor};
 use shoal_kernels::{BlockType, QuantMatrix};
 
 use crate::{ModelError, Result, Weight};
@@ -110,6 +110,42 @@ impl QLinear {
         Ok(Self::from_matrix(weight, bias, in_features, out_features))
     }
 
+    /// A projection on `compute`'s device. On the CPU: [`QLinear::new`]. On a GPU:
+    /// quantized weights stay quantized there (candle's CUDA kernels; activations go in
+    /// as f32), dense weights are kept in `compute.dtype`.
+    pub fn new_on(weight: Weight, bias: Option<Tensor>, compute: &crate::Compute) -> Result<Self> {
+        if compute.device.is_cpu() {
+            return Self::new(weight, bias);
+        }
+        let (out_features, in_features) = match weight.dims() {
+            [o, i] => (*o, *i),
+            dims => {
+                return Err(ModelError::Invalid(format!(
+                    "a linear weight must be 2-D, got {dims:?}"
+                )));
+            }
+        };
+        let matrix = match weight {
+            Weight::Quantized(q)
+                if !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) =>
+            {
+                let storage = QStorage::from_data(q.data()?, &compute.device, q.dtype())?;
+                let on_device = QTensor::new(storage, q.shape().clone())?;
+                Matrix::Candle(QMatMul::from_arc(Arc::new(on_device))?)
+            }
+            other => Matrix::Candle(QMatMul::Tensor(
+                other
+                    .to_f32()?
+                    .to_dtype(compute.dtype)?
+                    .to_device(&compute.device)?,
+            )),
+        };
+        let bias = bias
+            .map(|b| b.to_dtype(compute.dtype)?.to_device(&compute.device))
+            .transpose()?;
+        Ok(Self::from_matrix(matrix, bias, in_features, out_features))
+    }
+
     pub(crate) fn from_matrix(
         weight: Matrix,
         bias: Option<Tensor>,
@@ -135,6 +171,10 @@ impl QLinear {
     /// `x`: `(.., in_features)` f32; returns `(.., out_features)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
+            // candle's quantized kernels take f32 activations.
+            Matrix::Candle(m @ QMatMul::QTensor(_)) if x.dtype() != DType::F32 => {
+                x.to_dtype(DType::F32)?.apply(m)?.to_dtype(x.dtype())?
+            }
             Matrix::Candle(m) => x.apply(m)?,
             Matrix::Shoal(m) => {
                 let mut dims = x.dims().to_vec();

@@ -27,6 +27,27 @@ pub struct SyntheticShape {
 }
 
 impl SyntheticShape {
+    /// The shapes of real models, by name: `qwen2.5-1.5b`, `llama-8b`, `llama-70b`.
+    pub fn preset(name: &str) -> Option<Self> {
+        let (architecture, hidden, heads, kv_heads, head_dim, ffn, vocab, layers) = match name {
+            "qwen2.5-1.5b" => (Architecture::Qwen2, 1536, 12, 2, 128, 8960, 151_936, 28),
+            "llama-8b" => (Architecture::Llama, 4096, 32, 8, 128, 14_336, 128_256, 32),
+            "llama-70b" => (Architecture::Llama, 8192, 64, 8, 128, 28_672, 128_256, 80),
+            _ => return None,
+        };
+        Some(Self {
+            architecture,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            layers,
+            context: 8192,
+        })
+    }
+
     /// A tiny model for tests: 3 KV groups (so 2 ranks split them 2 + 1), odd sizes.
     pub fn tiny(architecture: Architecture) -> Self {
         Self {
@@ -60,6 +81,32 @@ impl Rng {
     }
 }
 
+/// A byte-level vocabulary of `n` tokens: the 256 byte symbols of GPT-2's BPE, fillers,
+/// and an end-of-text token last. Text tokenizes byte by byte (there are no merges), which
+/// is all a generated model needs to be run and benchmarked end to end.
+fn vocab(n: usize) -> Vec<String> {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut extra = 0;
+    let mut out: Vec<String> = (0..256u32)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                extra += 1;
+                255 + extra
+            };
+            char::from_u32(c).map(String::from).unwrap_or_default()
+        })
+        .collect();
+    out.truncate(n.saturating_sub(1));
+    while out.len() + 1 < n {
+        out.push(format!("<|filler{}|>", out.len()));
+    }
+    out.push("<|endoftext|>".into());
+    out
+}
+
 /// Writes a model of `shape` with weights from `seed` to `path`; matrices in `dtype`
 /// (norms and biases stay F32, as in real files).
 pub fn write_synthetic_gguf(
@@ -68,19 +115,119 @@ pub fn write_synthetic_gguf(
     seed: u64,
     path: &Path,
 ) -> Result<()> {
+    write(shape, dtype, seed, path, false)
+}
+
+/// [`write_synthetic_gguf`] for benchmarks of large shapes: quantized blocks are random
+/// bytes with small scales (no quantization pass), float weights are drawn on every
+/// core. As good as random for timing; for numerics use [`write_synthetic_gguf`].
+pub fn write_synthetic_gguf_fast(
+    shape: &SyntheticShape,
+    dtype: GgmlDType,
+    seed: u64,
+    path: &Path,
+) -> Result<()> {
+    write(shape, dtype, seed, path, true)
+}
+
+/// Random values `offset + scale·u`, `u` uniform in ±1, on every core.
+fn uniform(n: usize, scale: f32, offset: f32, seed: u64) -> Vec<f32> {
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let per = n.div_ceil(threads).max(1 << 16);
+    let mut out = vec![0f32; n];
+    std::thread::scope(|sc| {
+        for (i, part) in out.chunks_mut(per).enumerate() {
+            sc.spawn(move || {
+                let mut rng = Rng(seed ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407));
+                for v in part {
+                    *v = offset + scale * rng.next();
+                }
+            });
+        }
+    });
+    out
+}
+
+/// `dims` of random blocks of a quantized type whose f16 scale fields hold `scale`.
+fn random_blocks(dtype: GgmlDType, dims: &[usize], scale: f32, seed: u64) -> Result<QTensor> {
+    let n: usize = dims.iter().product();
+    let (bs, ts) = (dtype.block_size(), dtype.type_size());
+    let blocks = n / bs;
+    let mut bytes = vec![0u8; blocks * ts];
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let per = blocks.div_ceil(threads).max(1) * ts;
+    let offsets: &[usize] = match dtype {
+        GgmlDType::Q4_1 | GgmlDType::Q5_1 | GgmlDType::Q4K | GgmlDType::Q5K | GgmlDType::Q2K => {
+            &[0, 2]
+        }
+        GgmlDType::Q6K => &[208],
+        GgmlDType::Q3K => &[108],
+        _ => &[0],
+    };
+    let d = half::f16::from_f32(scale).to_le_bytes();
+    std::thread::scope(|sc| {
+        for (i, part) in bytes.chunks_mut(per).enumerate() {
+            sc.spawn(move || {
+                let mut z = seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                for chunk in part.chunks_mut(8) {
+                    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                    let mut r = z;
+                    r = (r ^ (r >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    r = (r ^ (r >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                    r ^= r >> 31;
+                    for (j, b) in chunk.iter_mut().enumerate() {
+                        *b = (r >> (8 * j)) as u8;
+                    }
+                }
+                for blk in part.chunks_exact_mut(ts) {
+                    for &o in offsets {
+                        blk[o..o + 2].copy_from_slice(&d);
+                    }
+                }
+            });
+        }
+    });
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(bytes),
+        &Device::Cpu,
+        dtype,
+    )?;
+    Ok(QTensor::new(storage, dims)?)
+}
+
+fn write(
+    shape: &SyntheticShape,
+    dtype: GgmlDType,
+    seed: u64,
+    path: &Path,
+    fast: bool,
+) -> Result<()> {
     let s = shape;
     let mut rng = Rng(seed);
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    let mut count = 0u64;
     let mut put = |name: String, dims: Vec<usize>, scale: f32, offset: f32| -> Result<()> {
         let n: usize = dims.iter().product();
-        let data: Vec<f32> = (0..n).map(|_| offset + scale * rng.next()).collect();
-        let t = Tensor::from_vec(data, dims.as_slice(), &Device::Cpu)?;
         let dt = if dims.len() == 1 {
             GgmlDType::F32
         } else {
             dtype
         };
-        tensors.push((name, QTensor::quantize(&t, dt)?));
+        count += 1;
+        let float = matches!(dt, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        let q = if fast && !float {
+            // A block scale that gives rows roughly the wanted spread.
+            random_blocks(dt, &dims, scale / 8.0, seed.wrapping_add(count))?
+        } else {
+            let data = if fast {
+                uniform(n, scale, offset, seed.wrapping_add(count))
+            } else {
+                (0..n).map(|_| offset + scale * rng.next()).collect()
+            };
+            let t = Tensor::from_vec(data, dims.as_slice(), &Device::Cpu)?;
+            QTensor::quantize(&t, dt)?
+        };
+        tensors.push((name, q));
         Ok(())
     };
     // Uniform in ±a has standard deviation a/√3: rows of unit norm need a = √(3/fan_in).
@@ -159,6 +306,25 @@ pub fn write_synthetic_gguf(
         ),
         (format!("{arch}.rope.freq_base"), V::F32(10_000.0)),
         (format!("{arch}.context_length"), V::U32(s.context as u32)),
+        ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), V::String("qwen2".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            V::Array(vocab(s.vocab).into_iter().map(V::String).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            V::Array(
+                (0..s.vocab)
+                    .map(|i| V::I32(if i + 1 == s.vocab { 3 } else { 1 }))
+                    .collect(),
+            ),
+        ),
+        ("tokenizer.ggml.merges".into(), V::Array(vec![])),
+        (
+            "tokenizer.ggml.eos_token_id".into(),
+            V::U32(s.vocab as u32 - 1),
+        ),
     ];
     let meta_refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use std::sync::Arc;
 
@@ -15,7 +15,7 @@ pub use ring::zigzag_pieces;
 
 use crate::shard::{ShardLinks, TensorSlice, slice_bias, slice_cols, slice_rows};
 use crate::{
-    Architecture, KvCache, ModelConfig, ModelError, QLinear, Result, RopeStyle, Weight,
+    Architecture, Compute, KvCache, ModelConfig, ModelError, QLinear, Result, RopeStyle, Weight,
     WeightSource,
 };
 
@@ -110,7 +110,7 @@ struct Rope {
 }
 
 impl Rope {
-    fn new(config: &ModelConfig, max_len: usize) -> Result<Self> {
+    fn new(config: &ModelConfig, max_len: usize, compute: &Compute) -> Result<Self> {
         let half = config.head_dim / 2;
         let inv_freq: Vec<f32> = (0..half)
             .map(|i| {
@@ -129,8 +129,12 @@ impl Rope {
             }
         }
         Ok(Self {
-            cos: Tensor::from_vec(cos, (max_len, half), &Device::Cpu)?,
-            sin: Tensor::from_vec(sin, (max_len, half), &Device::Cpu)?,
+            cos: Tensor::from_vec(cos, (max_len, half), &Device::Cpu)?
+                .to_dtype(compute.dtype)?
+                .to_device(&compute.device)?,
+            sin: Tensor::from_vec(sin, (max_len, half), &Device::Cpu)?
+                .to_dtype(compute.dtype)?
+                .to_device(&compute.device)?,
             style: config.rope_style,
         })
     }
@@ -159,6 +163,7 @@ pub struct Model {
     head: Option<Head>,
     rope: Rope,
     max_len: usize,
+    compute: Compute,
 }
 
 fn require(source: &dyn WeightSource, name: &str) -> Result<Weight> {
@@ -185,6 +190,7 @@ fn linear(
     in_features: usize,
     bias: bool,
     cut: Cut,
+    compute: &Compute,
 ) -> Result<QLinear> {
     let name = format!("{prefix}.weight");
     let w = require(source, &name)?;
@@ -210,14 +216,23 @@ fn linear(
             (slice_cols(&w, r)?, None)
         }
     };
-    QLinear::new(w, b)
+    QLinear::new_on(w, b, compute)
 }
 
-fn norm(source: &dyn WeightSource, name: &str, size: usize, eps: f32) -> Result<RmsNorm> {
+fn norm(
+    source: &dyn WeightSource,
+    name: &str,
+    size: usize,
+    eps: f32,
+    compute: &Compute,
+) -> Result<RmsNorm> {
     let w = require(source, name)?;
     check_shape(name, &w, &[size])?;
     Ok(RmsNorm {
-        weight: w.to_f32()?,
+        weight: w
+            .to_f32()?
+            .to_dtype(compute.dtype)?
+            .to_device(&compute.device)?,
         eps,
     })
 }
@@ -226,6 +241,17 @@ impl Model {
     /// Loads the parts of the model that `spec` names, reading only their tensors.
     /// `max_len` bounds the positions this instance will serve (its context length).
     pub fn load(source: &dyn WeightSource, spec: LoadSpec, max_len: usize) -> Result<Self> {
+        Self::load_on(source, spec, max_len, &Compute::cpu())
+    }
+
+    /// [`Model::load`] onto `compute`'s device (the embedding lookup stays on the CPU;
+    /// its rows are copied over).
+    pub fn load_on(
+        source: &dyn WeightSource,
+        spec: LoadSpec,
+        max_len: usize,
+        compute: &Compute,
+    ) -> Result<Self> {
         let config = source.config()?.clone();
         if spec.layers.end > config.num_layers || spec.layers.start > spec.layers.end {
             return Err(ModelError::Invalid(format!(
@@ -290,6 +316,7 @@ impl Model {
                         &format!("{p}.{n}.weight"),
                         c.head_dim,
                         c.rms_eps,
+                        compute,
                     )?))
                 } else {
                     Ok(None)
@@ -302,6 +329,7 @@ impl Model {
                     &format!("{p}.attn_norm.weight"),
                     c.hidden_size,
                     c.rms_eps,
+                    compute,
                 )?,
                 attn: Attention {
                     q: linear(
@@ -311,6 +339,7 @@ impl Model {
                         c.hidden_size,
                         bias,
                         q_cut.clone(),
+                        compute,
                     )?,
                     k: linear(
                         source,
@@ -319,6 +348,7 @@ impl Model {
                         c.hidden_size,
                         bias,
                         kv_cut.clone(),
+                        compute,
                     )?,
                     v: linear(
                         source,
@@ -327,6 +357,7 @@ impl Model {
                         c.hidden_size,
                         bias,
                         kv_cut.clone(),
+                        compute,
                     )?,
                     o: linear(
                         source,
@@ -335,6 +366,7 @@ impl Model {
                         q_out,
                         false,
                         o_cut.clone(),
+                        compute,
                     )?,
                     q_norm: qk_norm("attn_q_norm")?,
                     k_norm: qk_norm("attn_k_norm")?,
@@ -344,6 +376,7 @@ impl Model {
                     &format!("{p}.ffn_norm.weight"),
                     c.hidden_size,
                     c.rms_eps,
+                    compute,
                 )?,
                 gate: linear(
                     source,
@@ -352,6 +385,7 @@ impl Model {
                     c.hidden_size,
                     false,
                     ffn_rows.clone(),
+                    compute,
                 )?,
                 up: linear(
                     source,
@@ -360,6 +394,7 @@ impl Model {
                     c.hidden_size,
                     false,
                     ffn_rows.clone(),
+                    compute,
                 )?,
                 down: linear(
                     source,
@@ -368,6 +403,7 @@ impl Model {
                     c.ffn_size,
                     false,
                     ffn_cols.clone(),
+                    compute,
                 )?,
             });
         }
@@ -375,19 +411,27 @@ impl Model {
             let output = match (source.load("output.weight")?, &embedding) {
                 (Some(w), _) => {
                     check_shape("output.weight", &w, &[c.vocab_size, c.hidden_size])?;
-                    QLinear::new(w, None)?
+                    QLinear::new_on(w, None, compute)?
                 }
                 // Tied embeddings: the head shares the embedding's matrix, not a copy.
-                (None, Some(Embedding::Shoal(m))) => QLinear::from_matrix(
-                    Matrix::Shoal(Arc::clone(m)),
-                    None,
-                    c.hidden_size,
-                    c.vocab_size,
-                ),
-                (None, _) => QLinear::new(require(source, "token_embd.weight")?, None)?,
+                (None, Some(Embedding::Shoal(m))) if compute.device.is_cpu() => {
+                    QLinear::from_matrix(
+                        Matrix::Shoal(Arc::clone(m)),
+                        None,
+                        c.hidden_size,
+                        c.vocab_size,
+                    )
+                }
+                (None, _) => QLinear::new_on(require(source, "token_embd.weight")?, None, compute)?,
             };
             Some(Head {
-                norm: norm(source, "output_norm.weight", c.hidden_size, c.rms_eps)?,
+                norm: norm(
+                    source,
+                    "output_norm.weight",
+                    c.hidden_size,
+                    c.rms_eps,
+                    compute,
+                )?,
                 output,
             })
         } else {
@@ -395,13 +439,14 @@ impl Model {
         };
         let max_len = max_len.max(1);
         Ok(Self {
-            rope: Rope::new(c, max_len)?,
+            rope: Rope::new(c, max_len, compute)?,
             config,
             spec,
             embedding,
             layers,
             head,
             max_len,
+            compute: compute.clone(),
         })
     }
 
@@ -420,7 +465,13 @@ impl Model {
 
     /// A fresh KV cache for the layers this model holds.
     pub fn new_cache(&self) -> KvCache {
-        KvCache::new(self.spec.layers.start, self.spec.layers.len(), self.max_len)
+        KvCache::new_on(
+            self.spec.layers.start,
+            self.spec.layers.len(),
+            self.max_len,
+            &self.compute.device,
+            self.compute.dtype,
+        )
     }
 
     /// Token ids to hidden states `(t, hidden)`.
@@ -438,7 +489,7 @@ impl Model {
                 self.config.vocab_size
             )));
         }
-        Ok(match embedding {
+        let rows = match embedding {
             Embedding::Shoal(m) => {
                 let h = self.config.hidden_size;
                 let mut out = vec![0f32; tokens.len() * h];
@@ -449,7 +500,18 @@ impl Model {
             }
             Embedding::Candle(q) => q.embedding(&Tensor::new(tokens, &Device::Cpu)?)?,
             Embedding::Dense(t) => t.index_select(&Tensor::new(tokens, &Device::Cpu)?, 0)?,
-        })
+        };
+        if self.compute.device.is_cpu() && self.compute.dtype == DType::F32 {
+            return Ok(rows);
+        }
+        Ok(rows
+            .to_dtype(self.compute.dtype)?
+            .to_device(&self.compute.device)?)
+    }
+
+    /// Where and in which type this model computes.
+    pub fn compute(&self) -> &Compute {
+        &self.compute
     }
 
     /// Runs this model's decoder layers over hidden states `(t, hidden)` of the positions
@@ -482,7 +544,7 @@ impl Model {
                 self.max_len
             )));
         }
-        let mask = causal_mask(t, pos, self.config.group_size())?;
+        let mask = causal_mask(t, pos, self.config.group_size(), &self.compute)?;
         let mut x = hidden;
         for layer in &self.layers {
             x = self.layer_forward(layer, &x, cache, pos, mask.as_ref(), &mut links)?;
@@ -600,7 +662,7 @@ impl Model {
             .as_ref()
             .ok_or_else(|| ModelError::Invalid("this shard does not hold the head".into()))?;
         let h = head.norm.forward(hidden)?;
-        head.output.forward(&h)
+        Ok(head.output.forward(&h)?.to_dtype(DType::F32)?)
     }
 
     /// Embedding, all layers and head in one call; the logits of the last position only
@@ -628,15 +690,18 @@ fn reduce(y: Tensor, links: &mut Option<&mut dyn ShardLinks>) -> Result<Tensor> 
         return Ok(y);
     };
     let dims = y.dims().to_vec();
-    let mut v = y.flatten_all()?.to_vec1::<f32>()?;
+    let (device, dtype) = (y.device().clone(), y.dtype());
+    let mut v = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     links.all_reduce_sum(&mut v)?;
-    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(&device)?)
 }
 
 /// Additive causal mask `(group * t, pos + t)` for queries at `pos..pos + t`, laid out as
 /// the grouped attention sees them (row `r` is query position `pos + r % t`); `None` when
 /// a single query sees everything.
-fn causal_mask(t: usize, pos: usize, group: usize) -> Result<Option<Tensor>> {
+fn causal_mask(t: usize, pos: usize, group: usize, compute: &Compute) -> Result<Option<Tensor>> {
     if t <= 1 {
         return Ok(None);
     }
@@ -648,5 +713,9 @@ fn causal_mask(t: usize, pos: usize, group: usize) -> Result<Option<Tensor>> {
             *slot = f32::NEG_INFINITY;
         }
     }
-    Ok(Some(Tensor::from_vec(m, (group * t, s), &Device::Cpu)?))
+    Ok(Some(
+        Tensor::from_vec(m, (group * t, s), &Device::Cpu)?
+            .to_dtype(compute.dtype)?
+            .to_device(&compute.device)?,
+    ))
 }

@@ -27,6 +27,7 @@ pub fn smollm2() -> &'static Engine {
             &model_path("smollm2-135m"),
             &LoadOptions {
                 context_length: Some(2048),
+                ..Default::default()
             },
         )
         .expect("load smollm2-135m")

@@ -15,7 +15,7 @@
 
 use std::ops::Range;
 
-use candle_core::{D, Device, Tensor};
+use candle_core::{D, DType, Device, Tensor};
 
 use super::{DecoderLayer, Model};
 use crate::shard::ShardLinks;
@@ -45,11 +45,12 @@ struct Online {
 const FLOOR: f64 = -1e30;
 
 impl Online {
-    fn new(nkv: usize, rows: usize, hd: usize) -> Result<Self> {
+    /// The running state is kept in f32 whatever the model's type.
+    fn new(nkv: usize, rows: usize, hd: usize, device: &Device) -> Result<Self> {
         Ok(Self {
-            m: Tensor::full(FLOOR as f32, (nkv, rows, 1), &Device::Cpu)?,
-            l: Tensor::zeros((nkv, rows, 1), candle_core::DType::F32, &Device::Cpu)?,
-            o: Tensor::zeros((nkv, rows, hd), candle_core::DType::F32, &Device::Cpu)?,
+            m: Tensor::full(FLOOR as f32, (nkv, rows, 1), device)?,
+            l: Tensor::zeros((nkv, rows, 1), DType::F32, device)?,
+            o: Tensor::zeros((nkv, rows, hd), DType::F32, device)?,
         })
     }
 
@@ -90,15 +91,21 @@ fn encode_block(pos: &[usize], k: &Tensor, v: &Tensor) -> Result<Vec<f32>> {
     out.push(pos.len() as f32);
     out.extend(pos.iter().map(|&p| p as f32));
     if !pos.is_empty() {
-        out.extend(k.flatten_all()?.to_vec1::<f32>()?);
-        out.extend(v.flatten_all()?.to_vec1::<f32>()?);
+        out.extend(k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        out.extend(v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
     }
     Ok(out)
 }
 
 type Block = (Vec<usize>, Option<(Tensor, Tensor)>);
 
-fn decode_block(data: &[f32], nkv: usize, hd: usize) -> Result<Block> {
+fn decode_block(
+    data: &[f32],
+    nkv: usize,
+    hd: usize,
+    device: &Device,
+    dtype: DType,
+) -> Result<Block> {
     let bad = || {
         ModelError::Link(format!(
             "malformed key/value block of {} values",
@@ -115,14 +122,18 @@ fn decode_block(data: &[f32], nkv: usize, hd: usize) -> Result<Block> {
         return Ok((pos, None));
     }
     let kv = nkv * n * hd;
-    let k = Tensor::from_slice(&data[1 + n..1 + n + kv], (nkv, n, hd), &Device::Cpu)?;
-    let v = Tensor::from_slice(&data[1 + n + kv..], (nkv, n, hd), &Device::Cpu)?;
+    let k = Tensor::from_slice(&data[1 + n..1 + n + kv], (nkv, n, hd), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
+    let v = Tensor::from_slice(&data[1 + n + kv..], (nkv, n, hd), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
     Ok((pos, Some((k, v))))
 }
 
 /// `(group·rows, n)` additive mask: query row `i` (position `qpos[i % rows]`) may not see
 /// keys after it.
-fn causal(qpos: &[usize], kpos: &[usize], group: usize) -> Result<Option<Tensor>> {
+fn causal(qpos: &[usize], kpos: &[usize], group: usize, device: &Device) -> Result<Option<Tensor>> {
     let rows = qpos.len();
     if kpos.iter().max() <= qpos.iter().min() {
         return Ok(None);
@@ -137,7 +148,9 @@ fn causal(qpos: &[usize], kpos: &[usize], group: usize) -> Result<Option<Tensor>
             }
         }
     }
-    Ok(Some(Tensor::from_vec(m, (group * rows, n), &Device::Cpu)?))
+    Ok(Some(
+        Tensor::from_vec(m, (group * rows, n), &Device::Cpu)?.to_device(device)?,
+    ))
 }
 
 impl Model {
@@ -204,7 +217,8 @@ impl Model {
         } else {
             None
         };
-        let mut state = Online::new(nkv, g * rows, hd)?;
+        let (device, dtype) = (self.compute.device.clone(), self.compute.dtype);
+        let mut state = Online::new(nkv, g * rows, hd, &device)?;
         let q = match &local {
             Some((q, _, _)) => Some(q.reshape((nkv, g * rows, hd))?),
             None => None,
@@ -224,10 +238,10 @@ impl Model {
             if step + 1 < world {
                 links.ring_send(&in_hand)?;
             }
-            let (kpos, kv) = decode_block(&in_hand, nkv, hd)?;
+            let (kpos, kv) = decode_block(&in_hand, nkv, hd, &device, dtype)?;
             if let Some((k, v)) = kv {
                 if let Some(q) = &q {
-                    let mask = causal(qpos, &kpos, g)?;
+                    let mask = causal(qpos, &kpos, g, &device)?;
                     state.add(q, &k, &v, mask.as_ref(), scale)?;
                 }
                 blocks.push((kpos, k, v));
@@ -253,7 +267,7 @@ impl Model {
         let index = Tensor::from_vec(
             order.iter().map(|&(_, j)| j as u32).collect::<Vec<_>>(),
             total,
-            &Device::Cpu,
+            &device,
         )?;
         let ks: Vec<&Tensor> = blocks.iter().map(|b| &b.1).collect();
         let vs: Vec<&Tensor> = blocks.iter().map(|b| &b.2).collect();
@@ -265,6 +279,7 @@ impl Model {
         }
         let out = state
             .finish()?
+            .to_dtype(dtype)?
             .reshape((nh, rows, hd))?
             .transpose(0, 1)?
             .contiguous()?

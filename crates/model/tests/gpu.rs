@@ -1,0 +1,120 @@
+//! GPU against CPU on generated models of every architecture: logits within f32 and bf16
+//! tolerance, and the same 32 greedy tokens. Runs where a CUDA device is (a build with
+//! `--features cuda`, see scripts/build-cuda.sh); elsewhere it says so and passes.
+
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Tensor};
+use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
+use shoal_model::{Architecture, Compute, GgufFile, LoadSpec, Model};
+
+fn gpu(dtype: DType) -> Option<Compute> {
+    match Compute::parse("cuda:0") {
+        Ok(mut c) => {
+            c.dtype = dtype;
+            Some(c)
+        }
+        Err(e) => {
+            eprintln!("skipped: no CUDA device here ({e})");
+            None
+        }
+    }
+}
+
+fn rows(t: &Tensor) -> Vec<Vec<f32>> {
+    t.to_dtype(DType::F32)
+        .and_then(|t| t.to_vec2::<f32>())
+        .expect("logits")
+}
+
+fn max_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f32, f32) {
+    let scale = a
+        .iter()
+        .flatten()
+        .fold(0f32, |m, v| m.max(v.abs()))
+        .max(1.0);
+    let err = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    (err, scale)
+}
+
+fn greedy(model: &Model, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let mut cache = model.new_cache();
+    let mut logits = model.forward(prompt, &mut cache, false).expect("prefill");
+    let mut out = Vec::new();
+    for _ in 0..steps {
+        let next = logits
+            .squeeze(0)
+            .and_then(|l| l.argmax(0))
+            .and_then(|a| a.to_scalar::<u32>())
+            .expect("argmax");
+        out.push(next);
+        logits = model.forward(&[next], &mut cache, false).expect("decode");
+    }
+    out
+}
+
+#[test]
+fn gpu_logits_and_greedy_tokens_match_the_cpu() {
+    let Some(f32_gpu) = gpu(DType::F32) else {
+        return;
+    };
+    let bf16_gpu = gpu(DType::BF16).expect("cuda");
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 200).collect();
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ] {
+        for wt in [GgmlDType::F32, GgmlDType::Q8_0] {
+            let path = dir.join(format!("{}-{wt:?}.gguf", arch.name()));
+            write_synthetic_gguf(&SyntheticShape::tiny(arch), wt, 3, &path).expect("write");
+            let file = GgufFile::open(&path).expect("open");
+            let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
+            // The CPU reference in f32 with dense weights: the GPU dequantizes too.
+            unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+            let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+            let on_f32 = Model::load_on(&file, spec.clone(), 256, &f32_gpu).expect("gpu f32");
+            let on_bf16 = Model::load_on(&file, spec, 256, &bf16_gpu).expect("gpu bf16");
+            let run = |m: &Model| {
+                let mut c = m.new_cache();
+                let mut out = rows(&m.forward(&prompt[..17], &mut c, true).expect("chunk 1"));
+                out.extend(rows(
+                    &m.forward(&prompt[17..], &mut c, true).expect("chunk 2"),
+                ));
+                out
+            };
+            let want = run(&cpu);
+            let (e32, scale) = max_err(&want, &run(&on_f32));
+            let (e16, _) = max_err(&want, &run(&on_bf16));
+            eprintln!(
+                "{} {wt:?}: f32 GPU off by {e32:.2e}, bf16 GPU by {e16:.2e} (scale {scale:.2})",
+                arch.name()
+            );
+            // Q8_0 on the GPU runs candle's quantized kernels (8-bit activations).
+            let tol32 = if wt == GgmlDType::F32 { 1e-3 } else { 5e-2 };
+            assert!(
+                e32 <= tol32 * scale,
+                "{} {wt:?} f32: {e32} (scale {scale})",
+                arch.name()
+            );
+            assert!(
+                e16 <= 8e-2 * scale,
+                "{} {wt:?} bf16: {e16} (scale {scale})",
+                arch.name()
+            );
+            if wt == GgmlDType::F32 {
+                assert_eq!(
+                    greedy(&cpu, &prompt[..5], 32),
+                    greedy(&on_f32, &prompt[..5], 32),
+                    "{} greedy tokens",
+                    arch.name()
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds `shoal` with candle's CUDA backend on a machine without a GPU, for a GPU machine
+# with driver 580 / CUDA 13.0 (see ../shared/GPU.md for why each step is there):
+#   scripts/build-cuda.sh            -> target-cuda/release/shoal (and shoal.zst)
+# 1. CUDA 13.0's compiler from PyPI wheels into .cuda/ (nvvm pinned: a newer one emits
+#    PTX the 13.0 ptxas refuses).
+# 2. Link-time stubs for the driver libraries that are not in the wheels (libcuda,
+#    libnvrtc, libcurand, libcublas, libcublasLt): the real ones are loaded by SONAME on
+#    the GPU machine.
+# 3. cargo build --features cuda into target-cuda/ (the CPU build's target/ stays as is).
+# The first build compiles candle's kernels: about 15 minutes on two cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
+if [ ! -x .cuda/bin/pip ]; then
+  python3 -m venv .cuda
+fi
+.cuda/bin/pip install -q "nvidia-cuda-nvcc==13.0.*" "nvidia-cuda-runtime==13.0.*" \
+  "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*" "nvidia-nvvm==13.0.*"
+NV=$(echo "$PWD"/.cuda/lib/python3.*/site-packages/nvidia/cu13)
+export PATH=$NV/bin:$PATH CUDA_ROOT=$NV CUDA_PATH=$NV CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+# nvcc looks for its own tools and headers next to it.
+export NVCC_PREPEND_FLAGS="${NVCC_PREPEND_FLAGS:-} -I$NV/include"
+
+stubs=$PWD/stubs
+mkdir -p "$stubs"
+[ -e "$stubs/libcudart.so" ] || ln -sf "$NV"/lib/libcudart.so.13 "$stubs/libcudart.so"
+
+build() {
+  LIBRARY_PATH=$stubs${LIBRARY_PATH:+:$LIBRARY_PATH} cargo build --release -p shoal-cli --features cuda "$@"
+}
+
+# The first attempt compiles everything and may fail only at the link, for want of the
+# stubs; the symbols it needs are then read from the built objects.
+if ! build 2>"$CARGO_TARGET_DIR.link.log"; then
+  grep -q "undefined reference\|cannot find -l" "$CARGO_TARGET_DIR.link.log" || {
+    cat "$CARGO_TARGET_DIR.link.log" >&2
+    exit 1
+  }
+fi
+undef=$(mktemp)
+nm -u "$CARGO_TARGET_DIR"/release/deps/*.rlib "$CARGO_TARGET_DIR"/release/build/candle-kernels-*/out/*.a 2>/dev/null \
+  | awk '{print $NF}' | sort -u > "$undef"
+stub() { # name soname pattern [exclude]
+  local name=$1 soname=$2 pattern=$3 exclude=${4:-^$}
+  grep -E "$pattern" "$undef" | grep -vE "$exclude" | sed 's/.*/void &(void){}/' > "$stubs/$name.c" || true
+  echo 'void shoal_stub_marker(void){}' >> "$stubs/$name.c"
+  gcc -shared -fPIC -o "$stubs/$name.so" -Wl,-soname,"$soname" "$stubs/$name.c"
+}
+stub libcuda libcuda.so.1 '^cu[A-Z]'
+stub libnvrtc libnvrtc.so.13 '^nvrtc'
+stub libcurand libcurand.so.10 '^curand'
+stub libcublasLt libcublasLt.so.13 '^cublasLt'
+stub libcublas libcublas.so.13 '^cublas' '^cublasLt'
+rm -f "$undef"
+build
+bin=$CARGO_TARGET_DIR/release/shoal
+strip -o "$bin.stripped" "$bin"
+zstd -q -19 -f "$bin.stripped" -o "$bin.zst" 2>/dev/null || xz -9 -k -f -c "$bin.stripped" > "$bin.xz"
+ls -la "$bin" "$bin".zst "$bin".xz 2>/dev/null || true
