@@ -33,7 +33,7 @@ build() {
 # The first attempt compiles everything and may fail only at the link, for want of the
 # stubs; the symbols it needs are then read from the built objects.
 if ! build 2>"$CARGO_TARGET_DIR.link.log"; then
-  grep -q "undefined reference\|cannot find -l" "$CARGO_TARGET_DIR.link.log" || {
+  grep -q "undefined reference\|cannot find -l\|unable to find library" "$CARGO_TARGET_DIR.link.log" || {
     cat "$CARGO_TARGET_DIR.link.log" >&2
     exit 1
   }
@@ -54,7 +54,17 @@ stub libcublasLt libcublasLt.so.13 '^cublasLt'
 stub libcublas libcublas.so.13 '^cublas' '^cublasLt'
 rm -f "$undef"
 build
-bin=$CARGO_TARGET_DIR/release/shoal
-strip -o "$bin.stripped" "$bin"
-zstd -q -19 -f "$bin.stripped" -o "$bin.zst" 2>/dev/null || xz -9 -k -f -c "$bin.stripped" > "$bin.xz"
-ls -la "$bin" "$bin".zst "$bin".xz 2>/dev/null || true
+# The GPU test (crates/model/tests/gpu.rs) as a binary of its own.
+test_bin=$(LIBRARY_PATH=$stubs cargo test --release -p shoal-model --features cuda --test gpu --no-run \
+  --message-format=json 2>/dev/null | python3 -c "
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == 'gpu':
+        print(m['executable'])")
+# Stripped and xz-compressed copies for the device tool's 64 MiB carry (gpu-bin/).
+mkdir -p gpu-bin
+strip -o gpu-bin/shoal "$CARGO_TARGET_DIR/release/shoal"
+strip -o gpu-bin/gpu-test "$test_bin"
+xz -6 -T0 -f gpu-bin/shoal gpu-bin/gpu-test
+ls -la gpu-bin
