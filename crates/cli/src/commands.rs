@@ -156,6 +156,9 @@ struct RankArgs {
     /// the requests to answer.
     #[arg(long)]
     control: Option<PathBuf>,
+    /// Where this rank computes: `cpu` or `cuda:N`.
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(Args, Debug)]
@@ -455,7 +458,7 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         .context("no shard for this rank")?;
     let options = LoadOptions {
         context_length: args.ctx,
-        ..Default::default()
+        compute: Some(Compute::parse(&args.device)?),
     };
     let load = spec.load.clone();
     let engine = Engine::load_part(&args.model, &options, &move |_| load.clone())?;

@@ -148,6 +148,42 @@ struct Daemon {
     last_probe: HashMap<PeerId, Instant>,
     /// The last fetch progress reported per model (tenths).
     fetch_reported: HashMap<String, u64>,
+    /// This machine's GPU (name, total and free bytes), refreshed by a task of its own.
+    gpu: Option<Gpu>,
+}
+
+/// A GPU as `nvidia-smi` reports it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gpu {
+    pub name: String,
+    pub total: u64,
+    pub free: u64,
+}
+
+/// The first GPU, or `None` (no tool, no GPU, or no answer within 5 s).
+async fn query_gpu() -> Option<Gpu> {
+    let run = tokio::process::Command::new("nvidia-smi")
+        .args([
+            "--query-gpu=name,memory.total,memory.free",
+            "--format=csv,noheader,nounits",
+        ])
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(5), run)
+        .await
+        .ok()?
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut f = text.lines().next()?.split(',').map(str::trim);
+    let name = f.next()?.to_string();
+    let mib = |v: Option<&str>| v.and_then(|x| x.parse::<u64>().ok()).map(|m| m << 20);
+    Some(Gpu {
+        name,
+        total: mib(f.next())?,
+        free: mib(f.next())? / (256 << 20) * (256 << 20),
+    })
 }
 
 /// Runs a node until interrupted.
@@ -183,6 +219,15 @@ pub async fn run(config: NodeConfig) -> Result<()> {
     let http = http_listener.local_addr()?.to_string();
     tokio::spawn(crate::api::serve(http_listener, api_tx));
     let (reports_tx, mut reports_rx) = mpsc::channel(256);
+    let (gpu_tx, mut gpu_rx) = mpsc::channel::<Option<Gpu>>(4);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            if gpu_tx.send(query_gpu().await).await.is_err() {
+                return;
+            }
+        }
+    });
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -215,6 +260,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         links: HashMap::new(),
         last_probe: HashMap::new(),
         fetch_reported: HashMap::new(),
+        gpu: query_gpu().await,
         config,
     };
     tracing::info!(node = %me, http = %http, "node started");
@@ -225,6 +271,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
             ev = d.swarm.select_next_some() => d.on_swarm(ev),
             Some(call) = api_rx.recv() => d.on_api(call),
             Some(r) = reports_rx.recv() => d.on_runner(r),
+            Some(g) = gpu_rx.recv() => d.gpu = g,
             _ = tick.tick() => d.on_tick(),
             _ = tokio::signal::ctrl_c() => {
                 tracing::info!("interrupted; stopping runners");
@@ -674,7 +721,14 @@ impl Daemon {
                 // Rounded, so that small changes do not make events.
                 memory_free: free / (256 << 20) * (256 << 20),
                 cores: std::thread::available_parallelism().map_or(1, |n| n.get()) as u32,
-                backend: Backend::Cpu,
+                backend: match &self.gpu {
+                    Some(g) => Backend::Cuda {
+                        name: g.name.clone(),
+                        memory_total: g.total,
+                        memory_free: g.free,
+                    },
+                    None => Backend::Cpu,
+                },
             },
             models,
             // Rounded (1 ms, 10 MB/s), so that jitter does not make events.
@@ -771,6 +825,13 @@ impl Daemon {
             threads: self.config.runner_threads,
             socket_dir: self.config.data_dir.join("runners"),
             stall_timeout: self.config.stall_timeout,
+            // A GPU node runs its ranks on its GPU (a CPU build of shoal refuses, and the
+            // rank is reported failed with the reason).
+            device: if self.gpu.is_some() {
+                "cuda:0".into()
+            } else {
+                "cpu".into()
+            },
         };
         tracing::info!(instance, rank, "starting runner");
         match supervisor::start(spec, self.reports_tx.clone()) {

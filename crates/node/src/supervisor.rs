@@ -40,6 +40,8 @@ pub struct RunnerSpec {
     pub threads: Option<usize>,
     pub socket_dir: PathBuf,
     pub stall_timeout: Duration,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
 }
 
 /// One request for rank 0 and where its answer goes (`Ok(piece)` per piece, then the
@@ -99,6 +101,8 @@ pub fn start(
         .arg(spec.context.to_string())
         .arg("--control")
         .arg(&socket)
+        .arg("--device")
+        .arg(&spec.device)
         .env(shoal_runner_token_env(), &spec.token)
         .stdin(Stdio::null())
         .kill_on_drop(true);

@@ -94,7 +94,11 @@ fn to_tensor(bytes: &[u8], rows: usize, cols: usize, from: usize) -> Result<Tens
 }
 
 fn to_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    Ok(f32s_to_bytes(&t.flatten_all()?.to_vec1::<f32>()?))
+    Ok(f32s_to_bytes(
+        &t.to_dtype(candle_core::DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?,
+    ))
 }
 
 impl<T: Transport> Rank<T> {
@@ -250,7 +254,10 @@ impl<T: Transport> Rank<T> {
             self.model.embed(tokens)?
         } else {
             let b = self.group.recv(r - 1)?;
+            let c = self.model.compute();
             to_tensor(&b, t, hidden, r - 1)?
+                .to_dtype(c.dtype)?
+                .to_device(&c.device)?
         };
         let h = self.model.forward_layers(h, cache)?;
         if r + 1 < n {
