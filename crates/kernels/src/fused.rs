@@ -63,6 +63,18 @@ pub(crate) fn hsum(v: __m256) -> f32 {
 /// accumulation chains, so the loop is not bound by one chain's FMA latency.
 pub(crate) const ROWS: usize = 4;
 
+/// Rows per decode pass: [`ROWS`], or 1 to 4 from `SHOAL_DECODE_ROWS` (to compare).
+pub(crate) fn rows_per_pass() -> usize {
+    static ROWS_SET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS_SET.get_or_init(|| {
+        std::env::var("SHOAL_DECODE_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=ROWS).contains(n))
+            .unwrap_or(ROWS)
+    })
+}
+
 macro_rules! fused_dot {
     ($name:ident, $features:literal, $product:expr) => {
         /// `Σ w·x` of up to [`ROWS`] packed rows (`rows[..n]`, the rest ignored) and one

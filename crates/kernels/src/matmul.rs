@@ -174,7 +174,7 @@ pub fn matmul_with(
             let (xq, xd, xs) = acts.row(0);
             let mut r = start;
             while r < end {
-                let take = (end - r).min(crate::fused::ROWS);
+                let take = (end - r).min(crate::fused::rows_per_pass());
                 let rows: [&[u8]; crate::fused::ROWS] =
                     std::array::from_fn(|i| w.row(r + i.min(take - 1)));
                 let mut vals = [0f32; crate::fused::ROWS];
