@@ -242,47 +242,41 @@ impl<T: Transport> Group<T> {
         let (rank, n) = (self.rank(), self.world());
         let len = data.len();
         let bounds = |c: usize| (c * len / n, (c + 1) * len / n);
-        let next = (rank + 1) % n;
-        let prev = (rank + n - 1) % n;
         // Reduce-scatter: after step s, chunk (rank - s - 1) holds s + 2 ranks' sums.
         for s in 0..n - 1 {
-            let send_chunk = (rank + n - s) % n;
-            let recv_chunk = (rank + n - s - 1) % n;
-            let (a, b) = bounds(send_chunk);
-            self.put(next, &f32s_to_bytes(&data[a..b]))?;
-            let got = self.take(prev, self.deadline)?;
-            let got = f32s_from_bytes(&got)
-                .map_err(|reason| CollectiveError::Garbage { peer: prev, reason })?;
-            let (a, b) = bounds(recv_chunk);
-            if got.len() != b - a {
-                return Err(CollectiveError::Garbage {
-                    peer: prev,
-                    reason: format!("ring chunk of {} values, expected {}", got.len(), b - a),
-                });
-            }
-            for (v, g) in data[a..b].iter_mut().zip(got) {
+            let (a, b) = bounds((rank + n - s) % n);
+            let (c, d) = bounds((rank + n - s - 1) % n);
+            let got = self.ring_step(&data[a..b], d - c)?;
+            for (v, g) in data[c..d].iter_mut().zip(got) {
                 *v += g;
             }
         }
         // All-gather: chunk (rank + 1) is complete here; pass complete chunks on.
         for s in 0..n - 1 {
-            let send_chunk = (rank + 1 + n - s) % n;
-            let recv_chunk = (rank + n - s) % n;
-            let (a, b) = bounds(send_chunk);
-            self.put(next, &f32s_to_bytes(&data[a..b]))?;
-            let got = self.take(prev, self.deadline)?;
-            let got = f32s_from_bytes(&got)
-                .map_err(|reason| CollectiveError::Garbage { peer: prev, reason })?;
-            let (a, b) = bounds(recv_chunk);
-            if got.len() != b - a {
-                return Err(CollectiveError::Garbage {
-                    peer: prev,
-                    reason: format!("ring chunk of {} values, expected {}", got.len(), b - a),
-                });
-            }
-            data[a..b].copy_from_slice(&got);
+            let (a, b) = bounds((rank + 1 + n - s) % n);
+            let (c, d) = bounds((rank + n - s) % n);
+            let got = self.ring_step(&data[a..b], d - c)?;
+            data[c..d].copy_from_slice(&got);
         }
         Ok(())
+    }
+
+    /// Sends `chunk` to the next rank and takes the previous rank's chunk, which must
+    /// hold `expect` values.
+    fn ring_step(&mut self, chunk: &[f32], expect: usize) -> Result<Vec<f32>> {
+        let n = self.world();
+        let (next, prev) = ((self.rank() + 1) % n, (self.rank() + n - 1) % n);
+        self.put(next, &f32s_to_bytes(chunk))?;
+        let got = self.take(prev, self.deadline)?;
+        let got = f32s_from_bytes(&got)
+            .map_err(|reason| CollectiveError::Garbage { peer: prev, reason })?;
+        if got.len() != expect {
+            return Err(CollectiveError::Garbage {
+                peer: prev,
+                reason: format!("ring chunk of {} values, expected {expect}", got.len()),
+            });
+        }
+        Ok(got)
     }
 
     /// Returns once every rank has called it.
