@@ -31,7 +31,7 @@ use shoal_cluster::{
     Backend, ClusterState, Event, Indexed, Instance, InstanceStatus, LinkStats, NodeId, NodeInfo,
     RankSlot, Resources, RunnerStatus, apply,
 };
-use shoal_store::{ModelCard, Store, builtin_cards};
+use shoal_store::{ModelCard, Store, builtin_cards, find_card};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::keys::{KeySource, cluster_key, load_or_create_identity};
@@ -335,6 +335,12 @@ impl Daemon {
             self.master_duties();
         }
         self.probe();
+        // Which model files are here: read once a tick, for the report and the worker.
+        self.local.models = builtin_cards()
+            .into_iter()
+            .filter(|c| self.store.is_installed(c))
+            .map(|c| c.name)
+            .collect();
         self.report();
         self.work();
     }
@@ -620,10 +626,7 @@ impl Daemon {
     // ---- placement ----
 
     fn facts(model: &str) -> Result<(ModelFacts, ModelCard), String> {
-        let card = builtin_cards()
-            .into_iter()
-            .find(|c| c.name == model)
-            .ok_or_else(|| format!("unknown model {model:?}"))?;
+        let card = find_card(model).ok_or_else(|| format!("unknown model {model:?}"))?;
         Ok((
             ModelFacts {
                 name: card.name.clone(),
@@ -708,11 +711,7 @@ impl Daemon {
 
     fn info(&self) -> NodeInfo {
         let (total, free) = meminfo();
-        let models = builtin_cards()
-            .into_iter()
-            .filter(|c| self.store.is_installed(c))
-            .map(|c| c.name)
-            .collect();
+        let models = self.local.models.iter().cloned().collect();
         NodeInfo {
             id: self.me.clone(),
             http: self.http.clone(),
@@ -766,11 +765,6 @@ impl Daemon {
     }
 
     fn work(&mut self) {
-        self.local.models = builtin_cards()
-            .into_iter()
-            .filter(|c| self.store.is_installed(c))
-            .map(|c| c.name)
-            .collect();
         self.local.runners = self.runners.keys().cloned().collect();
         self.local.fetching = self.fetches.keys().cloned().collect();
         for action in plan(&self.state, &self.me, &self.local) {
@@ -809,7 +803,7 @@ impl Daemon {
         let Some(inst) = self.state.instances.get(instance).cloned() else {
             return;
         };
-        let Some(card) = builtin_cards().into_iter().find(|c| c.name == inst.model) else {
+        let Some(card) = find_card(&inst.model) else {
             return;
         };
         let addrs: Vec<String> = inst.ranks.iter().filter_map(|r| r.addr.clone()).collect();
@@ -870,7 +864,7 @@ impl Daemon {
     // ---- model files ----
 
     fn start_fetch(&mut self, model: &str, from: &NodeId) {
-        let Some(card) = builtin_cards().into_iter().find(|c| c.name == model) else {
+        let Some(card) = find_card(model) else {
             return;
         };
         let Ok(peer) = from.parse::<PeerId>() else {
@@ -1011,7 +1005,7 @@ impl Daemon {
     }
 
     fn serve_chunk(&self, model: &str, offset: u64, len: u64) -> Response {
-        let Some(card) = builtin_cards().into_iter().find(|c| c.name == model) else {
+        let Some(card) = find_card(model) else {
             return Response::Error(format!("unknown model {model}"));
         };
         if !self.store.is_installed(&card) {

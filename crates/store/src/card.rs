@@ -46,6 +46,11 @@ const CARDS: &[(&str, &str)] = &[
     ),
 ];
 
+/// The built-in card of `name`, if there is one.
+pub fn find_card(name: &str) -> Option<ModelCard> {
+    builtin_cards().into_iter().find(|c| c.name == name)
+}
+
 /// Every built-in card. The cards are part of the source and checked by a test, so a
 /// card that fails to parse is skipped with a warning rather than stopping the program.
 pub fn builtin_cards() -> Vec<ModelCard> {

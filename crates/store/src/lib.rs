@@ -8,7 +8,7 @@ mod pull;
 
 use std::path::{Path, PathBuf};
 
-pub use card::{ModelCard, Part, builtin_cards};
+pub use card::{ModelCard, Part, builtin_cards, find_card};
 pub use pull::sha256_file;
 
 /// Everything that can go wrong in the store.
@@ -117,7 +117,7 @@ impl Store {
 
     /// Resolves a model name (a card) or a path.
     pub fn resolve(&self, name: &str) -> Result<Resolved> {
-        if let Some(card) = builtin_cards().into_iter().find(|c| c.name == name) {
+        if let Some(card) = find_card(name) {
             return Ok(if self.is_installed(&card) {
                 let path = self.model_path(&card);
                 Resolved::Installed(card, path)
