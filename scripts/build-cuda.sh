@@ -5,9 +5,9 @@
 # 1. CUDA 13.0's compiler from PyPI wheels into .cuda/ (nvvm pinned: a newer one emits
 #    PTX the 13.0 ptxas refuses).
 # 2. Link-time stubs for the driver libraries that are not in the wheels (libcuda,
-#    libnvrtc, libcurand, libcublas, libcublasLt): the real ones are loaded by SONAME on
-#    the GPU machine.
-# 3. cargo build --features cuda into target-cuda/ (the CPU build's target/ stays as is).
+#    libnvrtc, libcurand, libcublas, libcublasLt, libnccl): the real ones are loaded by
+#    SONAME on the GPU machine.
+# 3. cargo build --features cuda,nccl into target-cuda/ (the CPU build's target/ stays).
 # The first build compiles candle's kernels: about 15 minutes on two cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ mkdir -p "$stubs"
 [ -e "$stubs/libcudart.so" ] || ln -sf "$NV"/lib/libcudart.so.13 "$stubs/libcudart.so"
 
 build() {
-  LIBRARY_PATH=$stubs${LIBRARY_PATH:+:$LIBRARY_PATH} cargo build --release -p shoal-cli --features cuda "$@"
+  LIBRARY_PATH=$stubs${LIBRARY_PATH:+:$LIBRARY_PATH} cargo build --release -p shoal-cli --features cuda,nccl "$@"
 }
 
 # The first attempt compiles everything and may fail only at the link, for want of the
@@ -52,19 +52,26 @@ stub libnvrtc libnvrtc.so.13 '^nvrtc'
 stub libcurand libcurand.so.10 '^curand'
 stub libcublasLt libcublasLt.so.13 '^cublasLt'
 stub libcublas libcublas.so.13 '^cublas' '^cublasLt'
+stub libnccl libnccl.so.2 '^nccl'
 rm -f "$undef"
 build
-# The GPU test (crates/model/tests/gpu.rs) as a binary of its own.
-test_bin=$(LIBRARY_PATH=$stubs cargo test --release -p shoal-model --features cuda --test gpu --no-run \
-  --message-format=json 2>/dev/null | python3 -c "
+# The GPU tests as binaries of their own: one GPU against the CPU
+# (crates/model/tests/gpu.rs), NCCL tensor parallelism (crates/runner/tests/gpus.rs).
+test_bin() { # package features test
+  LIBRARY_PATH=$stubs cargo test --release -p "$1" --features "$2" --test "$3" --no-run \
+    --message-format=json 2>/dev/null | python3 -c "
 import json, sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == 'gpu':
-        print(m['executable'])")
+    if m.get('reason') == 'compiler-artifact' and m.get('executable') and m['target']['name'] == sys.argv[1]:
+        print(m['executable'])" "$3"
+}
+gpu_test=$(test_bin shoal-model cuda gpu)
+gpus_test=$(test_bin shoal-runner nccl gpus)
 # Stripped and xz-compressed copies for the device tool's 64 MiB carry (gpu-bin/).
 mkdir -p gpu-bin
 strip -o gpu-bin/shoal "$CARGO_TARGET_DIR/release/shoal"
-strip -o gpu-bin/gpu-test "$test_bin"
-xz -6 -T0 -f gpu-bin/shoal gpu-bin/gpu-test
+strip -o gpu-bin/gpu-test "$gpu_test"
+strip -o gpu-bin/gpus-test "$gpus_test"
+xz -6 -T0 -f gpu-bin/shoal gpu-bin/gpu-test gpu-bin/gpus-test
 ls -la gpu-bin

@@ -2,8 +2,12 @@
 # On the GPU machine (through the device tool): the GPU test and the benchmarks of
 # docs/GPU.md. Expects the carried, compressed binaries in gpu-bin/ (see docs/GPU.md for
 # how they are made) and writes results to $OUT.
-#   scripts/gpu-check.sh [test|bench|all]
+#   scripts/gpu-check.sh [test|bench|all]       one GPU
+#   scripts/gpu-check.sh nccl [SHAPE DTYPE...]  several GPUs: the NCCL test, the
+#       all-reduce times, and for each SHAPE:DTYPE[:LAYERS] (default llama-8b:bf16
+#       llama-8b:q4k) the benchmark on 1, 2, 4, 8 GPUs as the machine has them.
 set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 what=${1:-all}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
@@ -27,4 +31,52 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       rm -f "/tmp/$shape-$dt.gguf"
     done
   done
+fi
+if [ "$what" = nccl ]; then
+  shift
+  gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
+  nvidia-smi topo -m | tee "$out/topo.txt"
+  unpack gpus-test
+  unpack shoal
+  if [ -z "${SKIP_TESTS:-}" ]; then
+    /tmp/gpus-test --nocapture 2>&1 | tail -25 | tee "$out/gpus-test.txt"
+    /tmp/gpus-test --ignored nccl_all_reduce_time --nocapture 2>&1 | grep -E 'us per|test result' | tee "$out/all-reduce.txt"
+  fi
+  for item in "${@:-llama-8b:bf16 llama-8b:q4k}"; do
+    for one in $item; do
+      IFS=: read -r shape dt layers <<<"$one"
+      file=/tmp/$shape-$dt${layers:+-$layers}.gguf
+      /tmp/shoal synth --shape "$shape" --dtype "$dt" ${layers:+--layers $layers} --out "$file" >/dev/null
+      for n in 1 2 4 8; do
+        [ "$n" -le "$gpus" ] || continue
+        if [ "$n" = 1 ]; then dev=(--device cuda:0); else dev=(--ranks "$n" --strategy tensor --device cuda); fi
+        start=$(date +%s)
+        line=$(/tmp/shoal bench --local -m "$file" "${dev[@]}" --ctx 4096 --pp 512 --tg 128 -r 3 --json 2>"$out/bench-err.txt" | tail -1)
+        echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"layers\":\"${layers:-all}\",\"gpus\":$n,\"seconds\":$(( $(date +%s) - start )),\"bench\":${line:-null}}" | tee -a "$out/nccl-bench.jsonl"
+        [ -n "$line" ] || tail -5 "$out/bench-err.txt"
+      done
+      rm -f "$file"
+    done
+  done
+fi
+if [ "$what" = kill ]; then
+  # A rank killed mid-generation: rank 0 must fail with a clear error, soon.
+  unpack shoal
+  file=/tmp/kill.gguf
+  /tmp/shoal synth --shape llama-8b --dtype q4k --layers 8 --out "$file" >/dev/null
+  /tmp/shoal run -m "$file" --ranks 2 --device cuda --raw -n 100000 "once upon a time" \
+    >"$out/kill-out.txt" 2>"$out/kill-err.txt" &
+  parent=$!
+  for _ in $(seq 600); do # until it generates
+    [ "$(wc -c <"$out/kill-out.txt")" -gt 200 ] && break
+    sleep 0.1
+  done
+  child=$(pgrep -f "shoal rank --rank 1" | head -1)
+  echo "killing rank 1 (pid $child) of $parent" | tee "$out/kill.txt"
+  t0=$(date +%s.%N); kill -9 "$child"
+  wait "$parent"; rc=$?
+  t1=$(date +%s.%N)
+  echo "rank 0 exit $rc after $(python3 -c "print(round($t1-$t0,2))") s; output bytes $(wc -c <"$out/kill-out.txt")" | tee -a "$out/kill.txt"
+  tail -3 "$out/kill-err.txt" | tee -a "$out/kill.txt"
+  pgrep -fa "shoal" | tee -a "$out/kill.txt"
 fi

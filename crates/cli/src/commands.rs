@@ -14,7 +14,7 @@ use shoal_engine::{
     BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
 };
 use shoal_model::Compute;
-use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks};
+use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks, rank_devices};
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
 use shoal_tokenizer::ChatMessage;
@@ -115,7 +115,9 @@ struct ModelArgs {
     /// Context length to serve (default: the model's, at most 8192).
     #[arg(long)]
     ctx: Option<usize>,
-    /// Where to compute: `cpu` or `cuda:N` (a CUDA build, bf16).
+    /// Where to compute: `cpu` or `cuda:N` (a CUDA build, bf16). With --ranks: `cuda`
+    /// puts rank i on GPU i (tensor parallelism joins them with NCCL), or name one
+    /// device per rank, comma-separated.
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Compute threads (default: every core; with --ranks, the cores shared out).
@@ -372,6 +374,7 @@ impl Loaded {
             model_config(&path).with_context(|| format!("cannot load {}", path.display()))?;
         let specs = plan(&config, args.strategy, args.ranks)?;
         let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
+        let devices = rank_devices(&args.device, args.ranks)?;
         let launch = Launch {
             exe: std::env::current_exe().context("cannot find the shoal executable")?,
             model: path.clone(),
@@ -380,24 +383,20 @@ impl Loaded {
             context: args.ctx,
             threads,
             deadline,
+            devices: devices.clone(),
         };
         let (transport, ranks) = launch_ranks(&launch)?;
         let spec = specs[0].clone();
-        if args.device != "cpu" {
-            bail!(
-                "--ranks runs on CPU ranks; --device {} is for one process",
-                args.device
-            );
-        }
         let options = LoadOptions {
             context_length: args.ctx,
-            ..Default::default()
+            compute: Some(Compute::parse(&devices[0])?),
         };
         let load = spec.load.clone();
         let engine = Engine::load_part(&path, &options, &move |_| load.clone())
             .with_context(|| format!("cannot load {}", path.display()))?;
-        let rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
-        tracing::info!(ranks = args.ranks, strategy = %args.strategy, "model split across local processes");
+        let mut rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
+        let nccl = rank.connect_devices()?;
+        tracing::info!(ranks = args.ranks, strategy = %args.strategy, nccl, "model split across local processes");
         Ok(Self {
             engine,
             split: Some((SplitModel::new(rank), ranks)),
@@ -464,6 +463,7 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
     let engine = Engine::load_part(&args.model, &options, &move |_| load.clone())?;
     let deadline = Duration::from_secs_f64(args.rank_timeout.max(0.1));
     let mut rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
+    rank.connect_devices()?;
     if let Some(c) = control {
         c.status(&RunnerStatus::Ready);
     }

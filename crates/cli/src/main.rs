@@ -1,5 +1,6 @@
-//! `shoal`: the one binary. Today it runs a model on this machine (`run`, `bench`,
-//! `perplexity`) and manages the model store (`pull`, `models`).
+//! `shoal`: the one binary. It runs a model on this machine or split across local
+//! processes (`run`, `bench`, `perplexity`, the hidden `rank`), runs a cluster node
+//! (`node`, `status`, `place`), and manages the model store (`pull`, `models`, `synth`).
 
 mod commands;
 
@@ -10,6 +11,12 @@ use clap::Parser;
 use commands::Cli;
 
 fn main() -> ExitCode {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        // SAFETY: the first thing the program does, before any other thread exists.
+        // NVLink multicast stays off unless the user asks for it: on shared GPU hosts it
+        // can put the GPUs out of service (docs/GPU.md).
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+    }
     let cli = Cli::parse();
     let filter = std::env::var("SHOAL_LOG").unwrap_or_else(|_| cli.log.clone());
     tracing_subscriber::fmt()

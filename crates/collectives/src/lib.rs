@@ -13,9 +13,12 @@
 //! cut is noticed within the liveness timeout even while the operation deadline is long.
 
 pub mod local;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod tcp;
 mod wire;
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub use wire::{MAX_FRAME_BYTES, f32s_from_bytes, f32s_to_bytes};
@@ -68,6 +71,28 @@ pub trait Transport: Send {
     fn send(&mut self, to: usize, op: u64, data: &[u8]) -> Result<()>;
     /// Receives operation `op`'s message from rank `from`, waiting at most `deadline`.
     fn recv(&mut self, from: usize, op: u64, deadline: Duration) -> Result<Vec<u8>>;
+    /// The links' health as another thread can watch it while this transport is busy
+    /// (or idle): a watchdog over work that does not go through the transport, such as
+    /// NCCL collectives on the GPUs, learns from it that a peer died or froze.
+    fn health(&self) -> Health {
+        Health::default()
+    }
+}
+
+/// The first failure of any link of a transport, readable from any thread.
+#[derive(Clone, Debug, Default)]
+pub struct Health(Arc<OnceLock<String>>);
+
+impl Health {
+    /// The first failure seen, if any.
+    pub fn failure(&self) -> Option<&str> {
+        self.0.get().map(String::as_str)
+    }
+
+    /// Records a failure; later ones are dropped (the first is the cause).
+    pub fn fail(&self, why: impl Into<String>) {
+        let _ = self.0.set(why.into());
+    }
 }
 
 /// Payloads at or below this many bytes are all-reduced directly (every rank sends its
@@ -96,6 +121,11 @@ impl<T: Transport> Group<T> {
             received: vec![0; world],
             deadline,
         }
+    }
+
+    /// The transport's health, for a watchdog thread.
+    pub fn health(&self) -> Health {
+        self.transport.health()
     }
 
     pub fn rank(&self) -> usize {

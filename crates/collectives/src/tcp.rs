@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::wire::{Frame, Kind, ReadError, read_frame, write_frame};
-use crate::{CollectiveError, Result, Transport};
+use crate::{CollectiveError, Health, Result, Transport};
 
 /// How ranks find and trust each other.
 #[derive(Clone, Debug)]
@@ -65,6 +65,8 @@ pub struct TcpTransport {
     stop: Arc<AtomicBool>,
     /// The first failure of each link, repeated to later calls.
     failed: Vec<Option<String>>,
+    /// The first failure any reader thread saw, for watchdogs on other threads.
+    health: Health,
 }
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CollectiveError {
@@ -188,6 +190,7 @@ impl TcpTransport {
 
     fn start(rank: usize, streams: Vec<Option<TcpStream>>, config: &TcpConfig) -> Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
+        let health = Health::default();
         let mut links = Vec::with_capacity(streams.len());
         let mut writers = Vec::new();
         for (peer, s) in streams.into_iter().enumerate() {
@@ -203,9 +206,10 @@ impl TcpTransport {
             let reader = s.try_clone().map_err(io_err("clone stream"))?;
             let (tx, inbox) = channel();
             let liveness = config.liveness;
+            let health = health.clone();
             std::thread::Builder::new()
                 .name(format!("shoal-link-{rank}-{peer}"))
-                .spawn(move || read_loop(reader, peer, liveness, tx))
+                .spawn(move || read_loop(reader, peer, liveness, tx, health))
                 .map_err(io_err("spawn link reader"))?;
             let writer = Arc::new(Mutex::new(s));
             writers.push(Arc::clone(&writer));
@@ -234,6 +238,7 @@ impl TcpTransport {
             liveness: config.liveness,
             stop,
             failed: vec![None; world],
+            health,
         })
     }
 
@@ -283,6 +288,7 @@ fn read_loop(
     peer: usize,
     liveness: Duration,
     tx: Sender<Result<(u64, Vec<u8>)>>,
+    health: Health,
 ) {
     loop {
         let err = match read_frame(&mut s) {
@@ -330,6 +336,7 @@ fn read_loop(
                 source,
             },
         };
+        health.fail(err.to_string());
         let _ = tx.send(Err(err));
         let _ = s.shutdown(Shutdown::Both);
         return;
@@ -373,6 +380,10 @@ impl Transport for TcpTransport {
             };
             self.remember(to, err)
         })
+    }
+
+    fn health(&self) -> Health {
+        self.health.clone()
     }
 
     fn recv(&mut self, from: usize, op: u64, deadline: Duration) -> Result<Vec<u8>> {

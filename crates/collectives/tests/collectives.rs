@@ -335,3 +335,23 @@ fn a_closed_peer_is_an_error_not_a_hang() {
         assert!(took < Duration::from_secs(5), "took {took:?}: {e}");
     }
 }
+
+#[test]
+fn health_shows_a_dead_peer_to_a_thread_that_never_calls_the_transport() {
+    let mut groups = tcp_group(2, "secret", Duration::from_secs(2));
+    let g1 = groups.pop().expect("rank 1");
+    let g0 = groups.pop().expect("rank 0");
+    let health = g0.health();
+    assert_eq!(health.failure(), None, "healthy links at the start");
+    drop(g1);
+    // Rank 0 itself stays idle: only its reader thread sees the close.
+    let start = Instant::now();
+    while health.failure().is_none() && start.elapsed() < Duration::from_secs(5) {
+        thread::sleep(Duration::from_millis(10));
+    }
+    let why = health.failure().expect("the close is seen");
+    assert!(why.contains("rank 1"), "{why}");
+    // The in-process transport never fails.
+    let local = shoal_collectives::local::local_group(2, Duration::from_secs(1));
+    assert_eq!(local[0].health().failure(), None);
+}

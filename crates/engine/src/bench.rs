@@ -103,7 +103,13 @@ impl Engine {
             if config.pp > 0 {
                 session.reset()?;
                 let t = Instant::now();
-                self.prefill_in(session, &tokens, config.prefill_chunk)?;
+                let logits = self.prefill_in(session, &tokens, config.prefill_chunk)?;
+                // On a GPU the work is only queued until something reads a result: the
+                // clock stops when the logits are on the host.
+                logits
+                    .to_dtype(shoal_model::DType::F32)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
                 let secs = t.elapsed().as_secs_f64();
                 if run > 0 {
                     prompt.push(config.pp as f64 / secs);

@@ -26,7 +26,7 @@ pub use error::{ModelError, Result, candle_message};
 pub use gguf::GgufFile;
 pub use linear::{KernelChoice, QLinear};
 pub use safetensors::SafetensorsDir;
-pub use shard::{ShardLinks, TensorSlice, tensor_slices};
+pub use shard::{ShardLinks, TensorSlice, all_reduce_through_host, tensor_slices};
 pub use transformer::{LoadSpec, Model, zigzag_pieces};
 pub use weights::{Weight, WeightSource};
 

@@ -33,12 +33,33 @@ pub struct TensorSlice {
 pub trait ShardLinks {
     /// Element-wise sum over the ranks, in place (tensor parallelism).
     fn all_reduce_sum(&mut self, data: &mut [f32]) -> Result<()>;
+    /// Element-wise sum over the ranks of a tensor, returned on its device in its dtype.
+    /// The default goes through the host as f32 ([`ShardLinks::all_reduce_sum`]); links
+    /// between GPUs (NCCL) reduce on the devices.
+    fn all_reduce_tensor(&mut self, t: Tensor) -> Result<Tensor> {
+        all_reduce_through_host(self, t)
+    }
     /// Sends a block to the next rank of the ring (sequence parallelism).
     fn ring_send(&mut self, data: &[f32]) -> Result<()>;
     /// Receives the block the previous rank of the ring sent.
     fn ring_recv(&mut self) -> Result<Vec<f32>>;
     fn rank(&self) -> usize;
     fn world(&self) -> usize;
+}
+
+/// The sum over the ranks of `t` through [`ShardLinks::all_reduce_sum`] on the host, as
+/// f32, returned on `t`'s device in its dtype.
+pub fn all_reduce_through_host<L: ShardLinks + ?Sized>(links: &mut L, t: Tensor) -> Result<Tensor> {
+    let dims = t.dims().to_vec();
+    let (device, dtype) = (t.device().clone(), t.dtype());
+    let mut v = t
+        .to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    links.all_reduce_sum(&mut v)?;
+    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(&device)?)
 }
 
 /// Splits `total` units into parts proportional to `shares` (each part at least one

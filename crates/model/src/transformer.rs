@@ -686,16 +686,10 @@ impl Model {
 
 /// The sum of every rank's partial output `y` (tensor parallelism), or `y` itself.
 fn reduce(y: Tensor, links: &mut Option<&mut dyn ShardLinks>) -> Result<Tensor> {
-    let Some(links) = links.as_mut() else {
-        return Ok(y);
-    };
-    let dims = y.dims().to_vec();
-    let (device, dtype) = (y.device().clone(), y.dtype());
-    let mut v = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    links.all_reduce_sum(&mut v)?;
-    Ok(Tensor::from_vec(v, dims, &Device::Cpu)?
-        .to_dtype(dtype)?
-        .to_device(&device)?)
+    match links.as_mut() {
+        Some(links) => links.all_reduce_tensor(y),
+        None => Ok(y),
+    }
 }
 
 /// Additive causal mask `(group * t, pos + t)` for queries at `pos..pos + t`, laid out as

@@ -33,7 +33,29 @@ pub struct Launch {
     pub threads: usize,
     /// The longest one collective operation may wait.
     pub deadline: Duration,
+    /// Where each rank computes (`cpu`, `cuda:N`), by rank; rank 0 is this process.
+    pub devices: Vec<String>,
 }
+
+/// Where each of `world` ranks computes, from `--device`: `cpu`; `cuda` (rank i on GPU
+/// i, one process per GPU); one device for all; or a comma-separated list, one per rank.
+pub fn rank_devices(spec: &str, world: usize) -> Result<Vec<String>, RankError> {
+    if spec == "cuda" {
+        return Ok((0..world).map(|i| format!("cuda:{i}")).collect());
+    }
+    let list: Vec<String> = spec.split(',').map(|d| d.trim().to_string()).collect();
+    match list.len() {
+        1 => Ok(vec![list[0].clone(); world]),
+        n if n == world => Ok(list),
+        n => Err(RankError::Invalid(format!(
+            "--device names {n} devices for {world} ranks"
+        ))),
+    }
+}
+
+/// NVLink multicast stays off in every rank (the GPU hosts require it: it can take
+/// shared GPUs out of service); a user's own setting is passed on.
+const NCCL_ENV: [(&str, &str); 1] = [("NCCL_NVLS_ENABLE", "0")];
 
 /// The child processes of ranks 1..N.
 pub struct LocalRanks {
@@ -87,6 +109,13 @@ pub fn launch(l: &Launch) -> Result<(TcpTransport, LocalRanks), RankError> {
     if l.world < 2 {
         return Err(RankError::Plan("launching ranks needs at least 2".into()));
     }
+    if l.devices.len() != l.world {
+        return Err(RankError::Plan(format!(
+            "{} devices for {} ranks",
+            l.devices.len(),
+            l.world
+        )));
+    }
     let mut listeners = loopback_listeners(l.world)?;
     let addrs: Vec<_> = listeners.iter().map(|(_, a)| *a).collect();
     // Free the children's ports for them to bind (rank 0 keeps its listener).
@@ -116,8 +145,15 @@ pub fn launch(l: &Launch) -> Result<(TcpTransport, LocalRanks), RankError> {
             .arg(l.threads.to_string())
             .arg("--rank-timeout")
             .arg(l.deadline.as_secs_f64().to_string())
+            .arg("--device")
+            .arg(&l.devices[rank])
             .env(TOKEN_ENV, &token)
             .stdin(Stdio::null());
+        for (key, value) in NCCL_ENV {
+            if std::env::var_os(key).is_none() {
+                cmd.env(key, value);
+            }
+        }
         if let Some(c) = l.context {
             cmd.arg("--ctx").arg(c.to_string());
         }

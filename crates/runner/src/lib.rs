@@ -10,8 +10,11 @@
 //! - [`session`]: rank 0's side, an engine [`shoal_engine::Session`], so generation,
 //!   scoring and benchmarks run unchanged on a split model.
 //! - [`launch`]: starting N ranks as local processes (`--ranks N`).
+//! - `nccl` (feature `nccl`): the all-reduce between the GPUs of one machine.
 
 pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod rank;
 pub mod session;
 pub mod shard;

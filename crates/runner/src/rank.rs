@@ -47,10 +47,69 @@ pub struct Rank<T: Transport> {
     model: Arc<Model>,
     caches: HashMap<u64, KvCache>,
     group: Group<T>,
+    /// NCCL between the GPUs of one machine, when every rank computes on one of them.
+    #[cfg(feature = "nccl")]
+    gpus: Option<(
+        shoal_collectives::nccl::Communicator,
+        shoal_collectives::nccl::Watchdog,
+    )>,
 }
 
 /// The model's view of the rank's links.
-struct Links<'a, T: Transport>(&'a mut Group<T>);
+struct Links<'a, T: Transport> {
+    group: &'a mut Group<T>,
+    #[cfg(feature = "nccl")]
+    gpus: Option<&'a shoal_collectives::nccl::Communicator>,
+}
+
+impl<'a, T: Transport> Links<'a, T> {
+    #[cfg(feature = "nccl")]
+    fn new(
+        group: &'a mut Group<T>,
+        gpus: &'a Option<(
+            shoal_collectives::nccl::Communicator,
+            shoal_collectives::nccl::Watchdog,
+        )>,
+    ) -> Self {
+        Self {
+            group,
+            gpus: gpus.as_ref().map(|(c, _)| c),
+        }
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn new(group: &'a mut Group<T>) -> Self {
+        Self { group }
+    }
+}
+
+/// What a rank tells the others at setup, so that all of them decide alike whether to
+/// join their GPUs with NCCL: all must compute on CUDA, on the same machine, in a build
+/// with NCCL, for tensor parallelism. Seven exact integers as f32 (16 bits each).
+fn device_facts(model: &Model, strategy: Strategy) -> Vec<f32> {
+    let on_cuda = model.compute().device.is_cuda() && strategy == Strategy::Tensor;
+    let with_nccl = cfg!(feature = "nccl");
+    let host = host_id();
+    let mut v = vec![f32::from(u8::from(on_cuda)), f32::from(u8::from(with_nccl))];
+    v.extend((0..4).map(|i| ((host >> (16 * i)) & 0xffff) as f32));
+    let gpu = match model.compute().device.location() {
+        candle_core::DeviceLocation::Cuda { gpu_id } => gpu_id,
+        _ => 0,
+    };
+    v.push(gpu as f32);
+    v
+}
+
+/// This machine's identity: its machine id, or its host name.
+fn host_id() -> u64 {
+    let text = std::fs::read_to_string("/etc/machine-id")
+        .or_else(|_| std::fs::read_to_string("/proc/sys/kernel/hostname"))
+        .unwrap_or_default();
+    // FNV-1a: stable across processes and builds.
+    text.trim().bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100000001b3)
+    })
+}
 
 fn link_err(e: CollectiveError) -> ModelError {
     ModelError::Link(e.to_string())
@@ -58,27 +117,37 @@ fn link_err(e: CollectiveError) -> ModelError {
 
 impl<T: Transport> ShardLinks for Links<'_, T> {
     fn all_reduce_sum(&mut self, data: &mut [f32]) -> shoal_model::Result<()> {
-        self.0.all_reduce_sum(data).map_err(link_err)
+        self.group.all_reduce_sum(data).map_err(link_err)
+    }
+
+    #[cfg(feature = "nccl")]
+    fn all_reduce_tensor(&mut self, t: Tensor) -> shoal_model::Result<Tensor> {
+        match self.gpus {
+            Some(comm) => Ok(crate::nccl::all_reduce(comm, &t)?),
+            None => shoal_model::all_reduce_through_host(self, t),
+        }
     }
 
     fn ring_send(&mut self, data: &[f32]) -> shoal_model::Result<()> {
-        let next = (self.0.rank() + 1) % self.0.world();
-        self.0.send(next, &f32s_to_bytes(data)).map_err(link_err)
+        let next = (self.group.rank() + 1) % self.group.world();
+        self.group
+            .send(next, &f32s_to_bytes(data))
+            .map_err(link_err)
     }
 
     fn ring_recv(&mut self) -> shoal_model::Result<Vec<f32>> {
-        let world = self.0.world();
-        let prev = (self.0.rank() + world - 1) % world;
-        let b = self.0.recv(prev).map_err(link_err)?;
+        let world = self.group.world();
+        let prev = (self.group.rank() + world - 1) % world;
+        let b = self.group.recv(prev).map_err(link_err)?;
         f32s_from_bytes(&b).map_err(|e| ModelError::Link(format!("rank {prev}: {e}")))
     }
 
     fn rank(&self) -> usize {
-        self.0.rank()
+        self.group.rank()
     }
 
     fn world(&self) -> usize {
-        self.0.world()
+        self.group.world()
     }
 }
 
@@ -118,7 +187,54 @@ impl<T: Transport> Rank<T> {
             model,
             caches: HashMap::new(),
             group,
+            #[cfg(feature = "nccl")]
+            gpus: None,
         })
+    }
+
+    /// Joins the GPUs of the ranks with NCCL when every rank computes on a GPU of this
+    /// machine, for tensor parallelism; otherwise the reductions stay on the group.
+    /// Every rank must call this at the same point (after `new`, before any step): the
+    /// ranks exchange what they run on and all decide alike. Returns whether NCCL is on.
+    pub fn connect_devices(&mut self) -> Result<bool> {
+        let facts = self
+            .group
+            .all_gather(&device_facts(&self.model, self.spec.strategy))?;
+        let first = &facts[0];
+        let same_host = facts.iter().all(|f| f.len() == 7 && f[2..6] == first[2..6]);
+        let all_cuda = facts.iter().all(|f| f.first() == Some(&1.0));
+        let all_nccl = facts.iter().all(|f| f.get(1) == Some(&1.0));
+        let mut ordinals: Vec<u32> = facts
+            .iter()
+            .filter_map(|f| f.get(6))
+            .map(|&o| o as u32)
+            .collect();
+        ordinals.sort_unstable();
+        ordinals.dedup();
+        let distinct_gpus = ordinals.len() == facts.len();
+        if !(all_cuda && same_host && self.group.world() > 1) {
+            return Ok(false);
+        }
+        let wanted = std::env::var("SHOAL_NCCL").map_or(true, |v| v != "0");
+        if !all_nccl || !distinct_gpus || !wanted {
+            tracing::warn!(
+                all_nccl,
+                distinct_gpus,
+                wanted,
+                "every rank is on a GPU of this machine, but NCCL cannot join them; \
+                 reducing through the host"
+            );
+            return Ok(false);
+        }
+        #[cfg(feature = "nccl")]
+        {
+            let comm = crate::nccl::join(&mut self.group, &self.model.compute().device)?;
+            let dog = comm.watch(self.group.health(), self.group.deadline())?;
+            self.gpus = Some((comm, dog));
+            Ok(true)
+        }
+        #[cfg(not(feature = "nccl"))]
+        Ok(false)
     }
 
     pub fn spec(&self) -> &ShardSpec {
@@ -206,10 +322,38 @@ impl<T: Transport> Rank<T> {
                     pos = cache.len()
                 )
                 .entered();
+                #[cfg(feature = "nccl")]
+                if let Some((comm, _)) = &self.gpus {
+                    comm.step_started();
+                }
+                #[cfg(feature = "nccl")]
+                let started = std::time::Instant::now();
                 let result = match self.spec.strategy {
                     Strategy::Pipeline => self.forward_pipeline(&mut cache, tokens, *all_logits),
                     Strategy::Tensor => self.forward_tensor(&mut cache, tokens, *all_logits),
                     Strategy::Sequence => self.forward_sequence(&mut cache, tokens, *all_logits),
+                };
+                // NCCL work is queued on the GPU: wait for it, so that a step ends when
+                // its reductions did, and an abort by the watchdog fails this step.
+                #[cfg(feature = "nccl")]
+                let result = match &self.gpus {
+                    Some((comm, _)) => {
+                        let queued = started.elapsed();
+                        let synced = comm
+                            .stream()
+                            .synchronize()
+                            .map_err(|e| RankError::Tensor(format!("CUDA: {e}")));
+                        let finished = comm.step_finished().map_err(RankError::from);
+                        tracing::debug!(
+                            rank = self.spec.rank,
+                            tokens = tokens.len(),
+                            queued_us = queued.as_micros() as u64,
+                            done_us = started.elapsed().as_micros() as u64,
+                            "step on the GPU"
+                        );
+                        finished.and(synced).and(result)
+                    }
+                    None => result,
                 };
                 self.caches.insert(*seq, cache);
                 result
@@ -287,7 +431,10 @@ impl<T: Transport> Rank<T> {
         all_logits: bool,
     ) -> Result<Option<Tensor>> {
         let h = self.model.embed(tokens)?;
-        let mut links = Links(&mut self.group);
+        #[cfg(feature = "nccl")]
+        let mut links = Links::new(&mut self.group, &self.gpus);
+        #[cfg(not(feature = "nccl"))]
+        let mut links = Links::new(&mut self.group);
         let h = self.model.forward_layers_with(h, cache, Some(&mut links))?;
         if self.spec.rank == 0 {
             return Ok(Some(self.head(h, all_logits)?));
@@ -323,7 +470,10 @@ impl<T: Transport> Rank<T> {
             .flat_map(|p| tokens[p.start - start..p.end - start].iter().copied())
             .collect();
         let h = self.model.embed(&mine)?;
-        let mut links = Links(&mut self.group);
+        #[cfg(feature = "nccl")]
+        let mut links = Links::new(&mut self.group, &self.gpus);
+        #[cfg(not(feature = "nccl"))]
+        let mut links = Links::new(&mut self.group);
         let h = self
             .model
             .forward_layers_ring(h, &pieces, t, cache, &mut links)?;

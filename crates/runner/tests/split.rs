@@ -146,3 +146,37 @@ fn tensor_cuts_inside_k_quant_blocks_are_requantized_and_stay_close() {
         compare(&format!("tensor {world} ranks Q4_K"), &want, &got, 5e-2);
     }
 }
+
+#[test]
+fn cpu_ranks_keep_their_reductions_on_the_group() {
+    let path = model_file(Architecture::Llama, GgmlDType::F32);
+    let file = GgufFile::open(&path).expect("open");
+    let config = file.model_config().expect("config").clone();
+    let specs = plan(&config, Strategy::Tensor, 2).expect("plan");
+    let groups = local_group(2, Duration::from_secs(20));
+    let handles: Vec<_> = specs
+        .into_iter()
+        .zip(groups)
+        .map(|(spec, group)| {
+            let path = path.clone();
+            thread::spawn(move || {
+                let file = GgufFile::open(&path).expect("open");
+                let model = Model::load(&file, spec.load.clone(), 256).expect("load");
+                let mut rank = Rank::new(spec, model, group).expect("rank");
+                rank.connect_devices().expect("exchange")
+            })
+        })
+        .collect();
+    for h in handles {
+        assert!(!h.join().expect("join"), "no NCCL between CPU ranks");
+    }
+}
+
+#[test]
+fn devices_for_ranks_follow_the_device_flag() {
+    use shoal_runner::launch::rank_devices;
+    assert_eq!(rank_devices("cpu", 2).expect("cpu"), ["cpu", "cpu"]);
+    assert_eq!(rank_devices("cuda", 3).expect("cuda"), ["cuda:0", "cuda:1", "cuda:2"]);
+    assert_eq!(rank_devices("cuda:1,cuda:0", 2).expect("list"), ["cuda:1", "cuda:0"]);
+    assert!(rank_devices("cuda:0,cuda:1", 3).is_err(), "a list must name every rank");
+}
