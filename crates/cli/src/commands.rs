@@ -86,8 +86,8 @@ enum Command {
         preview: bool,
         #[arg(long)]
         strategy: Option<String>,
-        /// Exactly this many nodes.
-        #[arg(long)]
+        /// Exactly this many ranks: a CPU node is one, a GPU node one per GPU.
+        #[arg(long, alias = "ranks")]
         nodes: Option<usize>,
         /// Context length of the instance.
         #[arg(long)]
@@ -722,8 +722,19 @@ fn status(node: &str, json: bool) -> Result<()> {
     println!("nodes:");
     for n in v["nodes"].as_array().into_iter().flatten() {
         let r = &n["resources"];
+        let b = &r["backend"];
+        let gpus = match b["kind"].as_str() {
+            Some("cuda") => format!(
+                "  {} x {} ({}/{} MiB free each)",
+                b["count"].as_u64().unwrap_or(1),
+                s(&b["name"]),
+                b["memory_free"].as_u64().unwrap_or(0) >> 20,
+                b["memory_total"].as_u64().unwrap_or(0) >> 20,
+            ),
+            _ => String::new(),
+        };
         println!(
-            "  {}  http {}  memory {}/{} MiB free  cores {}  models {}",
+            "  {}  http {}  memory {}/{} MiB free  cores {}{gpus}  models {}",
             s(&n["id"]),
             s(&n["http"]),
             r["memory_free"].as_u64().unwrap_or(0) >> 20,
@@ -742,8 +753,11 @@ fn status(node: &str, json: bool) -> Result<()> {
             i["status"]
         );
         for (r, slot) in i["ranks"].as_array().into_iter().flatten().enumerate() {
+            let on = slot["gpu"]
+                .as_u64()
+                .map_or(String::new(), |g| format!(" GPU {g}"));
             println!(
-                "    rank {r}: {}  {}  {}",
+                "    rank {r}: {}{on}  {}  {}",
                 s(&slot["node"]),
                 s(&slot["addr"]),
                 slot["status"]
@@ -778,8 +792,16 @@ fn place(
                 .flatten()
                 .map(|m| format!("{} MiB", m.as_u64().unwrap_or(0) >> 20))
                 .collect();
+            let gpus: Vec<String> = p["gpus"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|g| g.as_u64().map_or(String::new(), |g| format!(" GPU {g}")))
+                .chain(std::iter::repeat(String::new()))
+                .take(mem.len())
+                .collect();
             println!(
-                "{:<9} over {} node(s): {}",
+                "{:<9} over {} rank(s): {}",
                 p["strategy"].as_str().unwrap_or(""),
                 p["nodes"].as_array().map_or(0, Vec::len),
                 p["nodes"]
@@ -787,7 +809,8 @@ fn place(
                     .into_iter()
                     .flatten()
                     .zip(&mem)
-                    .map(|(n, m)| format!("{} {m}", n.as_str().unwrap_or("")))
+                    .zip(&gpus)
+                    .map(|((n, m), g)| format!("{}{g} {m}", n.as_str().unwrap_or("")))
                     .collect::<Vec<_>>()
                     .join(", ")
             );

@@ -5,6 +5,10 @@
 //! length (f32 keys and values) + the working set of one prefill chunk (activations and
 //! the attention scores of the chunk against the whole context). A node fits when the sum
 //! over its ranks is at most 90% of its free memory (GPU memory on GPU nodes).
+//!
+//! A rank needs a slot: a CPU node is one slot, a GPU node one slot per GPU, each with
+//! that GPU's memory. Tensor parallelism prefers the GPUs of one node, where the ranks
+//! reduce over NCCL instead of TCP (docs/GPU.md).
 
 use serde::{Deserialize, Serialize};
 
@@ -50,7 +54,7 @@ pub struct PlaceRequest {
     pub model: ModelFacts,
     /// Only this strategy (any when `None`).
     pub strategy: Option<Strategy>,
-    /// Exactly this many nodes (any when `None`).
+    /// Exactly this many ranks (any when `None`); a GPU of a node is a rank.
     pub nodes: Option<usize>,
     /// Context length of the instance.
     pub context: usize,
@@ -62,8 +66,11 @@ pub struct PlaceRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Plan {
     pub strategy: Strategy,
-    /// Nodes in rank order (one rank per node).
+    /// The node of each rank, in rank order.
     pub nodes: Vec<NodeId>,
+    /// The GPU of each rank on its node (`None`: the CPU), in rank order.
+    #[serde(default)]
+    pub gpus: Vec<Option<u32>>,
     /// Bytes each rank needs.
     pub memory: Vec<u64>,
 }
@@ -78,13 +85,63 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// Memory a node can give to ranks.
+/// Memory a node can give to one rank (one GPU's, on a GPU node).
 pub fn usable_memory(node: &NodeInfo) -> u64 {
     let free = match &node.resources.backend {
         Backend::Cpu => node.resources.memory_free,
         Backend::Cuda { memory_free, .. } => *memory_free,
     };
     free / 10 * 9
+}
+
+/// Where a rank can run: a node's CPU, or one of its GPUs.
+#[derive(Clone, Debug)]
+struct Slot<'a> {
+    node: &'a NodeInfo,
+    gpu: Option<u32>,
+    room: u64,
+}
+
+/// Every slot of the cluster: roomiest first, a node's GPUs together, ties by node id,
+/// so that every replica orders alike.
+fn slots(state: &ClusterState) -> Vec<Slot<'_>> {
+    let mut nodes: Vec<&NodeInfo> = state.nodes.values().collect();
+    nodes.sort_by(|a, b| {
+        usable_memory(b)
+            .cmp(&usable_memory(a))
+            .then(a.id.cmp(&b.id))
+    });
+    nodes
+        .into_iter()
+        .flat_map(|node| {
+            let room = usable_memory(node);
+            let gpus = match &node.resources.backend {
+                Backend::Cpu => vec![None],
+                Backend::Cuda { count, .. } => (0..(*count).max(1)).map(Some).collect(),
+            };
+            gpus.into_iter().map(move |gpu| Slot { node, gpu, room })
+        })
+        .collect()
+}
+
+/// The slots `n` ranks of `strategy` should try: for tensor parallelism the GPUs of one
+/// node when a node has enough of them (NCCL), else the roomiest slots.
+fn candidates<'a>(all: &[Slot<'a>], strategy: Strategy, n: usize) -> Vec<Slot<'a>> {
+    if strategy == Strategy::Tensor && n > 1 {
+        let one_node = all.iter().filter(|s| s.gpu == Some(0)).find_map(|first| {
+            let same: Vec<Slot<'a>> = all
+                .iter()
+                .filter(|o| o.node.id == first.node.id)
+                .take(n)
+                .cloned()
+                .collect();
+            (same.len() == n).then_some(same)
+        });
+        if let Some(same) = one_node {
+            return same;
+        }
+    }
+    all.iter().take(n).cloned().collect()
 }
 
 /// Even split of `total` into `n` parts (the first ones one larger).
@@ -170,27 +227,21 @@ pub fn rank_memory(
     }
 }
 
-/// Every valid plan, fewest nodes first, then pipeline, tensor, sequence; or why none.
+/// Every valid plan, fewest ranks first, then pipeline, tensor, sequence; or why none.
 pub fn place(state: &ClusterState, req: &PlaceRequest) -> Result<Vec<Plan>, Refusal> {
-    let mut nodes: Vec<&NodeInfo> = state.nodes.values().collect();
-    // Most usable memory first; ties by id, so every replica orders alike.
-    nodes.sort_by(|a, b| {
-        usable_memory(b)
-            .cmp(&usable_memory(a))
-            .then(a.id.cmp(&b.id))
-    });
-    if nodes.is_empty() {
+    let all = slots(state);
+    if all.is_empty() {
         return Err(Refusal("the cluster has no nodes".into()));
     }
     let counts: Vec<usize> = match req.nodes {
-        Some(n) if n == 0 || n > nodes.len() => {
+        Some(n) if n == 0 || n > all.len() => {
             return Err(Refusal(format!(
-                "{n} nodes asked for; the cluster has {}",
-                nodes.len()
+                "{n} ranks asked for; the cluster has {} (a node's CPU or each of its GPUs)",
+                all.len()
             )));
         }
         Some(n) => vec![n],
-        None => (1..=nodes.len()).collect(),
+        None => (1..=all.len()).collect(),
     };
     let strategies: Vec<Strategy> = match req.strategy {
         Some(s) => vec![s],
@@ -200,7 +251,7 @@ pub fn place(state: &ClusterState, req: &PlaceRequest) -> Result<Vec<Plan>, Refu
     let mut reasons = Vec::new();
     for &n in &counts {
         for &strategy in &strategies {
-            // One node runs one rank: any strategy is the whole model there.
+            // One rank holds the whole model: any strategy is the same there.
             if n == 1 && strategy != Strategy::Pipeline {
                 continue;
             }
@@ -211,29 +262,32 @@ pub fn place(state: &ClusterState, req: &PlaceRequest) -> Result<Vec<Plan>, Refu
                     continue;
                 }
             };
-            // The largest rank on the node with the most room, and so on down.
+            let slots = candidates(&all, strategy, n);
+            // The largest rank in the roomiest slot, and so on down.
             let mut order: Vec<usize> = (0..n).collect();
             order.sort_by(|&a, &b| need[b].cmp(&need[a]).then(a.cmp(&b)));
-            let mut chosen = vec![String::new(); n];
+            let mut chosen: Vec<Option<&Slot>> = vec![None; n];
             let mut fits = true;
-            for (slot, &rank) in order.iter().enumerate() {
-                let node = nodes[slot];
-                if need[rank] > usable_memory(node) {
+            for (slot, &rank) in slots.iter().zip(&order) {
+                if need[rank] > slot.room {
                     fits = false;
                     reasons.push(format!(
-                        "{strategy} over {n} nodes needs {} MiB on a node; {} has {} MiB usable",
+                        "{strategy} over {n} ranks needs {} MiB for a rank; {}{} has {} MiB usable",
                         need[rank] >> 20,
-                        node.id,
-                        usable_memory(node) >> 20
+                        slot.node.id,
+                        slot.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default(),
+                        slot.room >> 20
                     ));
                     break;
                 }
-                chosen[rank] = node.id.clone();
+                chosen[rank] = Some(slot);
             }
             if fits {
+                let chosen: Vec<&Slot> = chosen.into_iter().flatten().collect();
                 plans.push(Plan {
                     strategy,
-                    nodes: chosen,
+                    nodes: chosen.iter().map(|s| s.node.id.clone()).collect(),
+                    gpus: chosen.iter().map(|s| s.gpu).collect(),
                     memory: need,
                 });
             }
@@ -342,8 +396,8 @@ mod tests {
         let s = cluster(&[("a", 4096), ("b", 4096), ("c", 4096), ("d", 4096)]);
         let e = place(&s, &req(Some(Strategy::Tensor), Some(4))).expect_err("4 > 3 KV heads");
         assert!(e.0.contains("KV heads"), "{e}");
-        let e = place(&s, &req(None, Some(9))).expect_err("9 nodes");
-        assert!(e.0.contains("9 nodes"), "{e}");
+        let e = place(&s, &req(None, Some(9))).expect_err("9 ranks");
+        assert!(e.0.contains("9 ranks"), "{e}");
         assert!(place(&ClusterState::default(), &req(None, None)).is_err());
     }
 
@@ -361,5 +415,100 @@ mod tests {
                 .any(|p| p.strategy == Strategy::Tensor && p.nodes.len() == 3)
         );
         assert!(plans.iter().all(|p| p.strategy != Strategy::Sequence));
+    }
+
+    fn with_gpu_node(mut s: ClusterState, id: &str, gpus: u32, gib_each: u64) -> ClusterState {
+        let info = NodeInfo {
+            id: id.into(),
+            http: String::new(),
+            resources: Resources {
+                memory_total: 64 << 30,
+                memory_free: 64 << 30,
+                cores: 32,
+                backend: Backend::Cuda {
+                    name: "H200".into(),
+                    memory_total: gib_each << 30,
+                    memory_free: gib_each << 30,
+                    count: gpus,
+                },
+            },
+            models: vec![],
+            links: BTreeMap::new(),
+        };
+        s.nodes.insert(id.into(), info);
+        s
+    }
+
+    /// A model of about `gib` GiB with smollm2's proportions scaled up.
+    fn big(gib: u64) -> ModelFacts {
+        ModelFacts {
+            name: "big".into(),
+            size: gib << 30,
+            layers: 80,
+            hidden: 8192,
+            heads: 64,
+            kv_heads: 8,
+            ffn: 28672,
+            vocab: 128_256,
+        }
+    }
+
+    #[test]
+    fn each_gpu_is_a_rank_and_tensor_parallelism_stays_on_one_node() {
+        // Two CPU nodes with much more memory than a GPU, and a node with 4 GPUs.
+        let s = with_gpu_node(cluster(&[("a", 512 << 10), ("b", 512 << 10)]), "g", 4, 141);
+        let r = PlaceRequest {
+            model: big(140),
+            strategy: Some(Strategy::Tensor),
+            nodes: Some(2),
+            context: 4096,
+            chunk: 256,
+        };
+        let plans = place(&s, &r).expect("plans");
+        assert_eq!(plans[0].nodes, ["g", "g"], "{plans:?}");
+        assert_eq!(plans[0].gpus, [Some(0), Some(1)]);
+        // Four ranks: the four GPUs of g.
+        let r4 = PlaceRequest {
+            nodes: Some(4),
+            ..r.clone()
+        };
+        let plans = place(&s, &r4).expect("plans");
+        assert_eq!(plans[0].nodes, ["g"; 4]);
+        assert_eq!(plans[0].gpus, [Some(0), Some(1), Some(2), Some(3)]);
+        // A model too large for one GPU: the fewest ranks that hold it are GPUs of g
+        // when only g is in the cluster.
+        let only_g = with_gpu_node(ClusterState::default(), "g", 4, 141);
+        let any = PlaceRequest {
+            strategy: None,
+            nodes: None,
+            ..r.clone()
+        };
+        let plans = place(&only_g, &any).expect("plans");
+        assert!(
+            plans[0].nodes.len() >= 2,
+            "140 GiB does not fit one 141 GiB GPU beside its cache"
+        );
+        assert!(plans.iter().all(|p| p.nodes.iter().all(|n| n == "g")));
+        assert!(plans.iter().all(|p| p.gpus.iter().all(Option::is_some)));
+        // Ranks beyond the slots are refused with the count.
+        let e = place(
+            &only_g,
+            &PlaceRequest {
+                nodes: Some(5),
+                ..r
+            },
+        )
+        .expect_err("5 > 4 GPUs");
+        assert!(e.0.contains("5 ranks") && e.0.contains("4"), "{e}");
+    }
+
+    #[test]
+    fn cpu_nodes_are_one_rank_each() {
+        let s = cluster(&[("a", 4096), ("b", 4096)]);
+        let plans = place(&s, &req(Some(Strategy::Tensor), Some(2))).expect("plans");
+        assert_eq!(plans[0].gpus, [None, None]);
+        let mut nodes = plans[0].nodes.clone();
+        nodes.sort();
+        assert_eq!(nodes, ["a", "b"]);
     }
 }

@@ -58,11 +58,19 @@ impl FromStr for Strategy {
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Backend {
     Cpu,
+    /// `count` GPUs alike; the memory figures are one GPU's (the free memory the least
+    /// free of them). Each GPU takes a rank of its own.
     Cuda {
         name: String,
         memory_total: u64,
         memory_free: u64,
+        #[serde(default = "one")]
+        count: u32,
     },
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// A node's capacity, as it last reported it.
@@ -122,6 +130,9 @@ impl RunnerStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankSlot {
     pub node: NodeId,
+    /// The GPU of the node this rank computes on (`None`: the CPU).
+    #[serde(default)]
+    pub gpu: Option<u32>,
     /// Where this rank listens for its peers, once its node has opened the port.
     pub addr: Option<String>,
     pub status: RunnerStatus,
@@ -307,6 +318,7 @@ mod tests {
                 .iter()
                 .map(|n| RankSlot {
                     node: n.to_string(),
+                    gpu: None,
                     addr: None,
                     status: RunnerStatus::Idle,
                 })

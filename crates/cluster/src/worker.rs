@@ -137,6 +137,7 @@ mod tests {
                     .iter()
                     .zip(addrs)
                     .map(|(n, a)| RankSlot {
+                        gpu: None,
                         node: n.to_string(),
                         addr: a.map(str::to_string),
                         status: RunnerStatus::Idle,

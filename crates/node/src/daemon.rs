@@ -148,19 +148,21 @@ struct Daemon {
     last_probe: HashMap<PeerId, Instant>,
     /// The last fetch progress reported per model (tenths).
     fetch_reported: HashMap<String, u64>,
-    /// This machine's GPU (name, total and free bytes), refreshed by a task of its own.
+    /// This machine's GPUs, refreshed by a task of its own.
     gpu: Option<Gpu>,
 }
 
-/// A GPU as `nvidia-smi` reports it.
+/// The GPUs of this machine as `nvidia-smi` reports them: the first one's name and
+/// total memory, the least free memory of any, and how many there are.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpu {
     pub name: String,
     pub total: u64,
     pub free: u64,
+    pub count: u32,
 }
 
-/// The first GPU, or `None` (no tool, no GPU, or no answer within 5 s).
+/// The GPUs, or `None` (no tool, no GPU, or no answer within 5 s).
 async fn query_gpu() -> Option<Gpu> {
     let run = tokio::process::Command::new("nvidia-smi")
         .args([
@@ -175,15 +177,34 @@ async fn query_gpu() -> Option<Gpu> {
     if !out.status.success() {
         return None;
     }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut f = text.lines().next()?.split(',').map(str::trim);
-    let name = f.next()?.to_string();
+    parse_gpus(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// `nvidia-smi --query-gpu=name,memory.total,memory.free --format=csv,noheader,nounits`.
+fn parse_gpus(text: &str) -> Option<Gpu> {
     let mib = |v: Option<&str>| v.and_then(|x| x.parse::<u64>().ok()).map(|m| m << 20);
-    Some(Gpu {
-        name,
-        total: mib(f.next())?,
-        free: mib(f.next())? / (256 << 20) * (256 << 20),
-    })
+    let mut gpu: Option<Gpu> = None;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let mut f = line.split(',').map(str::trim);
+        let name = f.next()?.to_string();
+        let total = mib(f.next())?;
+        // Rounded, so that small changes do not make events.
+        let free = mib(f.next())? / (256 << 20) * (256 << 20);
+        gpu = Some(match gpu {
+            None => Gpu {
+                name,
+                total,
+                free,
+                count: 1,
+            },
+            Some(g) => Gpu {
+                free: g.free.min(free),
+                count: g.count + 1,
+                ..g
+            },
+        });
+    }
+    gpu
 }
 
 /// Runs a node until interrupted.
@@ -680,7 +701,10 @@ impl Daemon {
         }
         let plans = place(&self.state, &req).map_err(|r| r.0)?;
         let Plan {
-            strategy, nodes, ..
+            strategy,
+            nodes,
+            gpus,
+            ..
         } = plans.into_iter().next().ok_or("no plan")?;
         let id = format!("{model}-{}", self.state.index + 1);
         let instance = Instance {
@@ -690,8 +714,10 @@ impl Daemon {
             context: req.context,
             ranks: nodes
                 .into_iter()
-                .map(|node| RankSlot {
+                .zip(gpus.into_iter().chain(std::iter::repeat(None)))
+                .map(|(node, gpu)| RankSlot {
                     node,
+                    gpu,
                     addr: None,
                     status: RunnerStatus::Idle,
                 })
@@ -725,6 +751,7 @@ impl Daemon {
                         name: g.name.clone(),
                         memory_total: g.total,
                         memory_free: g.free,
+                        count: g.count,
                     },
                     None => Backend::Cpu,
                 },
@@ -807,6 +834,7 @@ impl Daemon {
             return;
         };
         let addrs: Vec<String> = inst.ranks.iter().filter_map(|r| r.addr.clone()).collect();
+        let slot_gpu = inst.ranks.get(rank).and_then(|r| r.gpu);
         let spec = RunnerSpec {
             instance: inst.id.clone(),
             rank,
@@ -819,12 +847,12 @@ impl Daemon {
             threads: self.config.runner_threads,
             socket_dir: self.config.data_dir.join("runners"),
             stall_timeout: self.config.stall_timeout,
-            // A GPU node runs its ranks on its GPU (a CPU build of shoal refuses, and the
-            // rank is reported failed with the reason).
-            device: if self.gpu.is_some() {
-                "cuda:0".into()
-            } else {
-                "cpu".into()
+            // The rank's GPU as placed (a CPU build of shoal refuses, and the rank is
+            // reported failed with the reason). Tensor ranks on GPUs of this one node
+            // join over NCCL by themselves.
+            device: match slot_gpu {
+                Some(g) => format!("cuda:{g}"),
+                None => "cpu".into(),
             },
         };
         tracing::info!(instance, rank, "starting runner");
@@ -1313,5 +1341,22 @@ impl Daemon {
             .get(&head.node)
             .ok_or("rank 0's node is not in the cluster")?;
         Ok(Route::Remote(node.http.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_gpus;
+
+    #[test]
+    fn nvidia_smi_lines_become_a_gpu_count_with_the_least_free_memory() {
+        let two = "NVIDIA H200, 143771, 143000\nNVIDIA H200, 143771, 100000\n";
+        let g = parse_gpus(two).expect("two GPUs");
+        assert_eq!(g.count, 2);
+        assert_eq!(g.name, "NVIDIA H200");
+        assert_eq!(g.total, 143771 << 20);
+        assert_eq!(g.free, (100000u64 << 20) / (256 << 20) * (256 << 20));
+        assert_eq!(parse_gpus(""), None);
+        assert_eq!(parse_gpus("No devices were found"), None);
     }
 }

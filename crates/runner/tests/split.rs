@@ -176,7 +176,16 @@ fn cpu_ranks_keep_their_reductions_on_the_group() {
 fn devices_for_ranks_follow_the_device_flag() {
     use shoal_runner::launch::rank_devices;
     assert_eq!(rank_devices("cpu", 2).expect("cpu"), ["cpu", "cpu"]);
-    assert_eq!(rank_devices("cuda", 3).expect("cuda"), ["cuda:0", "cuda:1", "cuda:2"]);
-    assert_eq!(rank_devices("cuda:1,cuda:0", 2).expect("list"), ["cuda:1", "cuda:0"]);
-    assert!(rank_devices("cuda:0,cuda:1", 3).is_err(), "a list must name every rank");
+    assert_eq!(
+        rank_devices("cuda", 3).expect("cuda"),
+        ["cuda:0", "cuda:1", "cuda:2"]
+    );
+    assert_eq!(
+        rank_devices("cuda:1,cuda:0", 2).expect("list"),
+        ["cuda:1", "cuda:0"]
+    );
+    assert!(
+        rank_devices("cuda:0,cuda:1", 3).is_err(),
+        "a list must name every rank"
+    );
 }
