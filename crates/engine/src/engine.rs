@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
-use shoal_model::{KvCache, Model};
+use shoal_model::Model;
 use shoal_tokenizer::{ChatMessage, Tokenizer};
 
 use crate::{EngineError, LocalSession, Result, Sampler, SamplingParams, Session, StopMatcher};
@@ -145,31 +145,15 @@ impl Engine {
         }
         let chunk = chunk.max(1);
         let mut logits = None;
+        let pieces = tokens.len().div_ceil(chunk);
         for (i, piece) in tokens.chunks(chunk).enumerate() {
             let _span =
                 tracing::debug_span!("prefill_chunk", index = i, tokens = piece.len()).entered();
-            logits = Some(session.forward(piece, false)?);
-        }
-        logits.ok_or(EngineError::EmptyPrompt)
-    }
-
-    /// Runs `tokens` through the model in chunks of at most `chunk` positions, appending
-    /// to `cache`; returns the logits `(1, vocab)` after the last token.
-    pub fn prefill(&self, tokens: &[u32], cache: &mut KvCache, chunk: usize) -> Result<Tensor> {
-        if tokens.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        let chunk = chunk.max(1);
-        let mut logits = None;
-        for (i, piece) in tokens.chunks(chunk).enumerate() {
-            let _span =
-                tracing::debug_span!("prefill_chunk", index = i, tokens = piece.len()).entered();
-            let last = (i + 1) * chunk >= tokens.len();
-            if last {
-                logits = Some(self.model.forward(piece, cache, false)?);
+            if i + 1 < pieces {
+                // Only the last chunk's logits are wanted: the head is skipped before it.
+                session.append(piece)?;
             } else {
-                let h = self.model.embed(piece)?;
-                self.model.forward_layers(h, cache)?;
+                logits = Some(session.forward(piece, false)?);
             }
         }
         logits.ok_or(EngineError::EmptyPrompt)

@@ -11,6 +11,10 @@ pub trait Session {
     /// Appends `tokens` to the sequence and returns logits: `(t, vocab)` for every new
     /// position when `all_logits`, else `(1, vocab)` for the last one.
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Tensor>;
+    /// Appends `tokens` without computing any logits (a prefill chunk before the last).
+    fn append(&mut self, tokens: &[u32]) -> Result<()> {
+        self.forward(tokens, false).map(|_| ())
+    }
     /// Forgets the sequence: the next `forward` starts at position 0.
     fn reset(&mut self) -> Result<()>;
     /// Positions the sequence holds.
@@ -38,6 +42,12 @@ impl<'m> LocalSession<'m> {
 impl Session for LocalSession<'_> {
     fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Tensor> {
         Ok(self.model.forward(tokens, &mut self.cache, all_logits)?)
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<()> {
+        let h = self.model.embed(tokens)?;
+        self.model.forward_layers(h, &mut self.cache)?;
+        Ok(())
     }
 
     fn reset(&mut self) -> Result<()> {

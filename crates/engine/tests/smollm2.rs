@@ -2,7 +2,7 @@
 
 mod common;
 
-use shoal_engine::{EngineError, FinishReason, GenerateParams};
+use shoal_engine::{EngineError, FinishReason, GenerateParams, Session};
 use shoal_tokenizer::ChatMessage;
 
 #[test]
@@ -35,11 +35,15 @@ fn chunked_prefill_gives_the_logits_of_one_pass() {
     let text = std::fs::read_to_string(common::fixtures().join("prose.txt")).expect("prose");
     let tokens = engine.raw_prompt(&text).expect("tokens");
     let tokens = &tokens[..200];
-    let mut one = engine.model().new_cache();
-    let whole = engine.prefill(tokens, &mut one, 512).expect("one pass");
+    let whole = engine
+        .prefill_in(&mut engine.session(), tokens, 512)
+        .expect("one pass");
     for chunk in [1, 7, 64] {
-        let mut cache = engine.model().new_cache();
-        let chunked = engine.prefill(tokens, &mut cache, chunk).expect("chunked");
+        let mut session = engine.session();
+        let chunked = engine
+            .prefill_in(&mut session, tokens, chunk)
+            .expect("chunked");
+        assert_eq!(session.len(), tokens.len(), "every chunk appended");
         let diff = (&chunked - &whole)
             .and_then(|d| d.abs())
             .and_then(|d| d.max_all())
@@ -67,7 +71,6 @@ fn chunked_prefill_gives_the_logits_of_one_pass() {
             argmax(&whole),
             "chunk {chunk}: next token"
         );
-        assert_eq!(cache.len(), tokens.len());
     }
 }
 

@@ -10,7 +10,7 @@ use shoal_collectives::{CollectiveError, Group, Transport, f32s_from_bytes, f32s
 use shoal_model::{KvCache, Model, ModelError, ShardLinks, zigzag_pieces};
 
 use crate::shard::{ShardSpec, Strategy};
-use crate::step::Step;
+use crate::step::{Logits, Step};
 
 /// Why a rank stopped or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -308,7 +308,7 @@ impl<T: Transport> Rank<T> {
             Step::Forward {
                 seq,
                 tokens,
-                all_logits,
+                logits,
             } => {
                 let mut cache = self
                     .caches
@@ -329,9 +329,9 @@ impl<T: Transport> Rank<T> {
                 #[cfg(feature = "nccl")]
                 let started = std::time::Instant::now();
                 let result = match self.spec.strategy {
-                    Strategy::Pipeline => self.forward_pipeline(&mut cache, tokens, *all_logits),
-                    Strategy::Tensor => self.forward_tensor(&mut cache, tokens, *all_logits),
-                    Strategy::Sequence => self.forward_sequence(&mut cache, tokens, *all_logits),
+                    Strategy::Pipeline => self.forward_pipeline(&mut cache, tokens, *logits),
+                    Strategy::Tensor => self.forward_tensor(&mut cache, tokens, *logits),
+                    Strategy::Sequence => self.forward_sequence(&mut cache, tokens, *logits),
                 };
                 // NCCL work is queued on the GPU: wait for it, so that a step ends when
                 // its reductions did, and an abort by the watchdog fails this step.
@@ -372,14 +372,15 @@ impl<T: Transport> Rank<T> {
         }
     }
 
-    fn head(&self, h: Tensor, all_logits: bool) -> Result<Tensor> {
+    /// The logits `want` asks for (`None` computes nothing).
+    fn head(&self, h: Tensor, want: Logits) -> Result<Option<Tensor>> {
         let t = h.dim(0)?;
-        let h = if all_logits {
-            h
-        } else {
-            h.narrow(0, t - 1, 1)?
+        let h = match want {
+            Logits::None => return Ok(None),
+            Logits::All => h,
+            Logits::Last => h.narrow(0, t - 1, 1)?,
         };
-        Ok(self.model.head(&h)?)
+        Ok(Some(self.model.head(&h)?))
     }
 
     /// Hidden states flow rank 0 → 1 → … → last; the last rank computes the logits and
@@ -388,7 +389,7 @@ impl<T: Transport> Rank<T> {
         &mut self,
         cache: &mut KvCache,
         tokens: &[u32],
-        all_logits: bool,
+        want: Logits,
     ) -> Result<Option<Tensor>> {
         let (r, n) = (self.spec.rank, self.spec.world);
         let t = tokens.len();
@@ -407,16 +408,22 @@ impl<T: Transport> Rank<T> {
         if r + 1 < n {
             self.group.send(r + 1, &to_bytes(&h)?)?;
         } else {
-            let logits = self.head(h, all_logits)?;
+            let logits = self.head(h, want)?;
             if r == 0 {
-                return Ok(Some(logits));
+                return Ok(logits);
             }
-            self.group.send(0, &to_bytes(&logits)?)?;
+            if let Some(logits) = logits {
+                self.group.send(0, &to_bytes(&logits)?)?;
+            }
             return Ok(None);
         }
+        let rows = match want {
+            Logits::None => return Ok(None),
+            Logits::Last => 1,
+            Logits::All => t,
+        };
         if r == 0 {
             let b = self.group.recv(n - 1)?;
-            let rows = if all_logits { t } else { 1 };
             return Ok(Some(to_tensor(&b, rows, vocab, n - 1)?));
         }
         Ok(None)
@@ -428,7 +435,7 @@ impl<T: Transport> Rank<T> {
         &mut self,
         cache: &mut KvCache,
         tokens: &[u32],
-        all_logits: bool,
+        want: Logits,
     ) -> Result<Option<Tensor>> {
         let h = self.model.embed(tokens)?;
         #[cfg(feature = "nccl")]
@@ -437,7 +444,7 @@ impl<T: Transport> Rank<T> {
         let mut links = Links::new(&mut self.group);
         let h = self.model.forward_layers_with(h, cache, Some(&mut links))?;
         if self.spec.rank == 0 {
-            return Ok(Some(self.head(h, all_logits)?));
+            return self.head(h, want);
         }
         Ok(None)
     }
@@ -450,18 +457,14 @@ impl<T: Transport> Rank<T> {
         &mut self,
         cache: &mut KvCache,
         tokens: &[u32],
-        all_logits: bool,
+        want: Logits,
     ) -> Result<Option<Tensor>> {
         let (r, n) = (self.spec.rank, self.spec.world);
         let t = tokens.len();
         if n == 1 || t < 2 * n {
             let h = self.model.embed(tokens)?;
             let h = self.model.forward_layers(h, cache)?;
-            return Ok(if r == 0 {
-                Some(self.head(h, all_logits)?)
-            } else {
-                None
-            });
+            return if r == 0 { self.head(h, want) } else { Ok(None) };
         }
         let start = cache.len();
         let pieces = zigzag_pieces(start, t, r, n);
@@ -477,13 +480,9 @@ impl<T: Transport> Rank<T> {
         let h = self
             .model
             .forward_layers_ring(h, &pieces, t, cache, &mut links)?;
-        if !all_logits {
+        if want != Logits::All {
             // The last position is in the last piece, which rank 0 holds.
-            return Ok(if r == 0 {
-                Some(self.head(h, false)?)
-            } else {
-                None
-            });
+            return if r == 0 { self.head(h, want) } else { Ok(None) };
         }
         let logits = self.model.head(&h)?;
         if r != 0 {

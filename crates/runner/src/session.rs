@@ -11,7 +11,7 @@ use shoal_engine::{EngineError, Session};
 use shoal_model::Tensor;
 
 use crate::rank::{Rank, RankError};
-use crate::step::Step;
+use crate::step::{Logits, Step};
 
 /// A model split across ranks, led from this process (rank 0).
 pub struct SplitModel<T: Transport> {
@@ -84,11 +84,24 @@ impl<T: Transport> Session for SplitSession<'_, T> {
         let step = Step::Forward {
             seq: self.seq,
             tokens: tokens.to_vec(),
-            all_logits,
+            logits: if all_logits {
+                Logits::All
+            } else {
+                Logits::Last
+            },
         };
         self.model
             .lead(&step)?
             .ok_or_else(|| EngineError::Invalid("rank 0 produced no logits".into()))
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> shoal_engine::Result<()> {
+        let step = Step::Forward {
+            seq: self.seq,
+            tokens: tokens.to_vec(),
+            logits: Logits::None,
+        };
+        self.model.lead(&step).map(|_| ())
     }
 
     fn reset(&mut self) -> shoal_engine::Result<()> {

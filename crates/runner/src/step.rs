@@ -3,15 +3,36 @@
 //! Encoding: a tag byte, then little-endian fields. A step that does not decode is an
 //! error on the receiving rank (never a guess).
 
+/// Which logits rank 0 wants from a forward step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None: a prefill chunk before the last one; the head is not computed at all.
+    None,
+    /// The last new position's.
+    Last,
+    /// Every new position's.
+    All,
+}
+
+impl Logits {
+    fn byte(self) -> u8 {
+        match self {
+            Self::Last => 0,
+            Self::All => 1,
+            Self::None => 2,
+        }
+    }
+}
+
 /// What every rank does next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
-    /// Append `tokens` to sequence `seq` (created empty if new); rank 0 wants logits for
-    /// every new position (`all_logits`) or only the last.
+    /// Append `tokens` to sequence `seq` (created empty if new), with the `logits` rank 0
+    /// wants.
     Forward {
         seq: u64,
         tokens: Vec<u32>,
-        all_logits: bool,
+        logits: Logits,
     },
     /// Empty sequence `seq`.
     Reset { seq: u64 },
@@ -39,11 +60,11 @@ impl Step {
             Self::Forward {
                 seq,
                 tokens,
-                all_logits,
+                logits,
             } => {
                 let mut b = Vec::with_capacity(14 + 4 * tokens.len());
                 b.push(FORWARD);
-                b.push(*all_logits as u8);
+                b.push(logits.byte());
                 b.extend_from_slice(&seq.to_le_bytes());
                 b.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
                 for t in tokens {
@@ -63,9 +84,10 @@ impl Step {
                 if b.len() < 14 {
                     return Err(format!("forward step of {} bytes", b.len()));
                 }
-                let all_logits = match b[1] {
-                    0 => false,
-                    1 => true,
+                let logits = match b[1] {
+                    0 => Logits::Last,
+                    1 => Logits::All,
+                    2 => Logits::None,
                     v => return Err(format!("forward step with logits flag {v}")),
                 };
                 let seq = seq_at(b, 2)?;
@@ -80,7 +102,7 @@ impl Step {
                 Ok(Self::Forward {
                     seq,
                     tokens,
-                    all_logits,
+                    logits,
                 })
             }
             Some(&RESET) if b.len() == 9 => Ok(Self::Reset { seq: seq_at(b, 1)? }),
@@ -102,12 +124,17 @@ mod tests {
             Step::Forward {
                 seq: 7,
                 tokens: vec![1, 2, 70_000],
-                all_logits: true,
+                logits: Logits::All,
             },
             Step::Forward {
                 seq: u64::MAX,
                 tokens: vec![],
-                all_logits: false,
+                logits: Logits::Last,
+            },
+            Step::Forward {
+                seq: 2,
+                tokens: vec![9; 64],
+                logits: Logits::None,
             },
             Step::Reset { seq: 3 },
             Step::Release { seq: 4 },
@@ -120,7 +147,7 @@ mod tests {
         let mut truncated = Step::Forward {
             seq: 1,
             tokens: vec![5],
-            all_logits: false,
+            logits: Logits::Last,
         }
         .encode();
         truncated.pop();

@@ -189,3 +189,59 @@ fn devices_for_ranks_follow_the_device_flag() {
         "a list must name every rank"
     );
 }
+
+#[test]
+fn chunked_prefill_on_a_split_model_skips_the_head_and_matches_one_process() {
+    use shoal_engine::{Engine, LoadOptions};
+    let path = model_file(Architecture::Qwen2, GgmlDType::F32);
+    let engine = Engine::load(&path, &LoadOptions::default()).expect("engine");
+    let tokens: Vec<u32> = (0..45).map(|i| (i * 37 + 11) % 200).collect();
+    let want = engine
+        .prefill_in(&mut engine.session(), &tokens, 16)
+        .and_then(|t| Ok(t.to_vec2::<f32>()?))
+        .expect("one process");
+    let config = engine.model().config().clone();
+    for strategy in [Strategy::Pipeline, Strategy::Tensor, Strategy::Sequence] {
+        let specs = plan(&config, strategy, 2).expect("plan");
+        let mut groups = local_group(2, Duration::from_secs(20));
+        let follower_group = groups.pop().expect("rank 1");
+        let lead_group = groups.pop().expect("rank 0");
+        let follower_spec = specs[1].clone();
+        let follower_path = path.clone();
+        let follower = thread::spawn(move || {
+            let file = GgufFile::open(&follower_path).expect("open");
+            let model = Model::load(&file, follower_spec.load.clone(), 256).expect("load");
+            Rank::new(follower_spec, model, follower_group)
+                .expect("rank")
+                .follow()
+        });
+        let file = GgufFile::open(&path).expect("open");
+        let model = Model::load(&file, specs[0].load.clone(), 256).expect("load");
+        let split = SplitModel::new(Rank::new(specs[0].clone(), model, lead_group).expect("rank"));
+        let mut session = split.session();
+        let got = engine
+            .prefill_in(&mut session, &tokens, 16)
+            .and_then(|t| Ok(t.to_vec2::<f32>()?))
+            .expect("split prefill");
+        assert_eq!(
+            session.len(),
+            tokens.len(),
+            "{strategy}: every chunk appended"
+        );
+        drop(session);
+        split.shutdown().expect("shutdown");
+        follower
+            .join()
+            .expect("join")
+            .expect("rank 1 finished cleanly");
+        let scale = want[0].iter().fold(1f32, |m, v| m.max(v.abs()));
+        let err = want[0]
+            .iter()
+            .zip(&got[0])
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= 1e-4 * scale,
+            "{strategy}: differs by {err} (scale {scale})"
+        );
+    }
+}
