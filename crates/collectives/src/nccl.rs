@@ -68,7 +68,6 @@ pub struct Communicator {
     raw: Arc<Raw>,
     stream: Arc<CudaStream>,
     rank: usize,
-    world: usize,
     /// When the current step began, in milliseconds since `epoch`; 0 when idle.
     busy_since: Arc<AtomicU64>,
     epoch: Instant,
@@ -124,18 +123,9 @@ impl Communicator {
             }),
             stream,
             rank,
-            world,
             busy_since: Arc::new(AtomicU64::new(0)),
             epoch: Instant::now(),
         })
-    }
-
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    pub fn world(&self) -> usize {
-        self.world
     }
 
     /// The stream the reductions run on (the tensors' stream).

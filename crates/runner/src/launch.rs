@@ -5,7 +5,8 @@
 //! environment (not on the command line, where other users could read it). The returned
 //! guard owns the children: dropped, it gives them a moment to leave after the shutdown
 //! step and kills any that did not. A child whose rank 0 dies notices within the
-//! heartbeat liveness timeout and exits on its own.
+//! heartbeat liveness timeout and exits on its own. Children inherit the rest of the
+//! environment, `NCCL_NVLS_ENABLE=0` included (the `shoal` binary sets it at start-up).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -52,10 +53,6 @@ pub fn rank_devices(spec: &str, world: usize) -> Result<Vec<String>, RankError> 
         ))),
     }
 }
-
-/// NVLink multicast stays off in every rank (the GPU hosts require it: it can take
-/// shared GPUs out of service); a user's own setting is passed on.
-const NCCL_ENV: [(&str, &str); 1] = [("NCCL_NVLS_ENABLE", "0")];
 
 /// The child processes of ranks 1..N.
 pub struct LocalRanks {
@@ -149,11 +146,6 @@ pub fn launch(l: &Launch) -> Result<(TcpTransport, LocalRanks), RankError> {
             .arg(&l.devices[rank])
             .env(TOKEN_ENV, &token)
             .stdin(Stdio::null());
-        for (key, value) in NCCL_ENV {
-            if std::env::var_os(key).is_none() {
-                cmd.env(key, value);
-            }
-        }
         if let Some(c) = l.context {
             cmd.arg("--ctx").arg(c.to_string());
         }

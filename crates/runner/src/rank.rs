@@ -48,39 +48,23 @@ pub struct Rank<T: Transport> {
     caches: HashMap<u64, KvCache>,
     group: Group<T>,
     /// NCCL between the GPUs of one machine, when every rank computes on one of them.
-    #[cfg(feature = "nccl")]
-    gpus: Option<(
-        shoal_collectives::nccl::Communicator,
-        shoal_collectives::nccl::Watchdog,
-    )>,
+    gpus: Option<Gpus>,
 }
+
+/// An NCCL communicator with its watchdog; a build without NCCL has none.
+#[cfg(feature = "nccl")]
+type Gpus = (
+    shoal_collectives::nccl::Communicator,
+    shoal_collectives::nccl::Watchdog,
+);
+#[cfg(not(feature = "nccl"))]
+type Gpus = std::convert::Infallible;
 
 /// The model's view of the rank's links.
 struct Links<'a, T: Transport> {
     group: &'a mut Group<T>,
-    #[cfg(feature = "nccl")]
-    gpus: Option<&'a shoal_collectives::nccl::Communicator>,
-}
-
-impl<'a, T: Transport> Links<'a, T> {
-    #[cfg(feature = "nccl")]
-    fn new(
-        group: &'a mut Group<T>,
-        gpus: &'a Option<(
-            shoal_collectives::nccl::Communicator,
-            shoal_collectives::nccl::Watchdog,
-        )>,
-    ) -> Self {
-        Self {
-            group,
-            gpus: gpus.as_ref().map(|(c, _)| c),
-        }
-    }
-
-    #[cfg(not(feature = "nccl"))]
-    fn new(group: &'a mut Group<T>) -> Self {
-        Self { group }
-    }
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    gpus: Option<&'a Gpus>,
 }
 
 /// What a rank tells the others at setup, so that all of them decide alike whether to
@@ -123,7 +107,7 @@ impl<T: Transport> ShardLinks for Links<'_, T> {
     #[cfg(feature = "nccl")]
     fn all_reduce_tensor(&mut self, t: Tensor) -> shoal_model::Result<Tensor> {
         match self.gpus {
-            Some(comm) => Ok(crate::nccl::all_reduce(comm, &t)?),
+            Some((comm, _)) => Ok(crate::nccl::all_reduce(comm, &t)?),
             None => shoal_model::all_reduce_through_host(self, t),
         }
     }
@@ -187,7 +171,6 @@ impl<T: Transport> Rank<T> {
             model,
             caches: HashMap::new(),
             group,
-            #[cfg(feature = "nccl")]
             gpus: None,
         })
     }
@@ -438,10 +421,10 @@ impl<T: Transport> Rank<T> {
         want: Logits,
     ) -> Result<Option<Tensor>> {
         let h = self.model.embed(tokens)?;
-        #[cfg(feature = "nccl")]
-        let mut links = Links::new(&mut self.group, &self.gpus);
-        #[cfg(not(feature = "nccl"))]
-        let mut links = Links::new(&mut self.group);
+        let mut links = Links {
+            group: &mut self.group,
+            gpus: self.gpus.as_ref(),
+        };
         let h = self.model.forward_layers_with(h, cache, Some(&mut links))?;
         if self.spec.rank == 0 {
             return self.head(h, want);
@@ -473,10 +456,10 @@ impl<T: Transport> Rank<T> {
             .flat_map(|p| tokens[p.start - start..p.end - start].iter().copied())
             .collect();
         let h = self.model.embed(&mine)?;
-        #[cfg(feature = "nccl")]
-        let mut links = Links::new(&mut self.group, &self.gpus);
-        #[cfg(not(feature = "nccl"))]
-        let mut links = Links::new(&mut self.group);
+        let mut links = Links {
+            group: &mut self.group,
+            gpus: self.gpus.as_ref(),
+        };
         let h = self
             .model
             .forward_layers_ring(h, &pieces, t, cache, &mut links)?;
