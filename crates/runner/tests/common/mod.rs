@@ -19,7 +19,15 @@ pub fn model_file(arch: Architecture, dtype: GgmlDType) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("dir");
     let path = dir.join(format!("{}-{dtype:?}.gguf", arch.name()));
     if !path.exists() {
-        write_synthetic_gguf(&SyntheticShape::tiny(arch), dtype, 7, &path).expect("write");
+        // Tests run in parallel and share these files: each writes its own copy and
+        // renames it into place, so no test ever opens a half-written file.
+        let tmp = dir.join(format!(
+            "{}-{dtype:?}.{:?}.tmp",
+            arch.name(),
+            std::thread::current().id()
+        ));
+        write_synthetic_gguf(&SyntheticShape::tiny(arch), dtype, 7, &tmp).expect("write");
+        std::fs::rename(&tmp, &path).expect("rename");
     }
     path
 }
