@@ -10,8 +10,8 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA: `vpmaddubsw` products, f32 accumulation.
     Avx2,
-    /// AVX-512 (F, BW, VL, VNNI): `vpdpbusd` products, no 16-bit intermediate; 512-bit
-    /// register tiles for batches.
+    /// AVX-512 (F, BW, VL, VNNI) and F16C: `vpdpbusd` products, no 16-bit intermediate;
+    /// 512-bit registers for single tokens (`wide`) and register tiles for batches.
     Avx512Vnni,
 }
 
@@ -29,6 +29,7 @@ impl Isa {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vnni")
                     && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("f16c")
             }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,

@@ -308,6 +308,3 @@ fn bytemuck_i8(x: &[i8]) -> &[u8] {
 fused_dot!(dot_avx2, "avx2,fma", |q, x| {
     _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
 });
-fused_dot!(dot_vnni, "avx2,fma,avx512vnni,avx512vl", |q, x| {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x)
-});

@@ -19,6 +19,7 @@ mod fused;
 mod matmul;
 mod pool;
 mod tile;
+mod wide;
 
 pub use blocks::{BlockType, dequantize_row};
 pub use dot::Isa;

@@ -182,8 +182,8 @@ pub fn matmul_with(
                 // covers the weight rows (all have `cols` values).
                 unsafe {
                     match isa {
-                        Isa::Avx512Vnni if vnni_decodes_faster(w.ty) => {
-                            crate::fused::dot_vnni(w.ty, &rows[..take], xq, xd, xs, &mut vals)
+                        Isa::Avx512Vnni => {
+                            crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
                         }
                         _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
                     }
@@ -251,11 +251,4 @@ fn bias_dot(bias: &[f32], sums: &[f32]) -> f32 {
         .map(|(x, y)| x * y)
         .sum();
     acc.iter().sum::<f32>() + tail
-}
-
-/// Measured with `examples/kernel_bench` on Sapphire Rapids: for the 32-weight block types
-/// the fused AVX2 loop (`vpmaddubsw`) ran 1.5× faster than the `vpdpbusd` one, whose
-/// extra latency sits on the block's critical path; for Q8_0 and the K-quants VNNI wins.
-fn vnni_decodes_faster(ty: BlockType) -> bool {
-    matches!(ty, BlockType::Q8_0 | BlockType::Q4K | BlockType::Q6K)
 }

@@ -196,6 +196,11 @@ fn every_block_type_on_every_instruction_set_matches_the_reference() {
             for (rows, blocks, t) in [
                 (1, 1, 1),
                 (3, 2, 1),
+                // Single tokens take the decode kernels: several passes of four rows,
+                // runs of blocks past a multiple of eight with one or two left over.
+                (9, 9, 1),
+                (6, 17, 1),
+                (5, 10, 1),
                 (7, 3, 2),
                 (33, 1, 5),
                 (16, 4, 3),

@@ -1,0 +1,410 @@
+//! 512-bit single-token dot products (AVX-512 F/BW/VL, VNNI, F16C): the decode path on
+//! machines that have them.
+//!
+//! Each `vpdpbusd` takes 64 weights: two 32-weight blocks, or 64 consecutive weights of a
+//! K-quant super-block. The weight scales are not applied per block in scalar code (the
+//! AVX2 loop's cost) but once per eight blocks as a vector — `scale · d_x` for every
+//! 32 weights (`s`), spread over the lanes of each product by one `vpermps` — and the
+//! bias terms (`bias · Σx` per 16 weights) are one FMA per eight blocks against the
+//! activation sums. Per 64 weights and row: a load, two or three integer ops to form the
+//! unsigned `q`, `vpdpbusd`, a convert, a permute and an FMA.
+//!
+//! `Σ w·x = Σ_h scale_h·d_x·Σ_{i∈h} q_i·x_i + Σ_h bias_h·Σ_{i∈h} x_i` as in the crate
+//! comment; `q` unsigned (Q8_0's signed bytes are offset by 128, its bias `-128·d`).
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use crate::BlockType;
+
+/// How far ahead of the block in hand the weights are prefetched, in bytes.
+const AHEAD: usize = 1024;
+
+/// `Σ w·x` of up to four packed rows (`rows[..n]`) and one quantized activation row (as
+/// in `fused`), into `out[..n]`.
+///
+/// # Safety
+/// The CPU must have the features of `Isa::Avx512Vnni`; every row has the same length
+/// and `xq`, `xd`, `xs` cover it.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn dot(
+    ty: BlockType,
+    rows: &[&[u8]],
+    xq: &[i8],
+    xd: &[f32],
+    xs: &[f32],
+    out: &mut [f32],
+) {
+    let cols = xq.len();
+    assert!(xd.len() * 32 >= cols && xs.len() * 16 >= cols);
+    assert!(rows.iter().all(|r| r.len() == ty.row_bytes(cols)));
+    // SAFETY: lengths checked above; features forwarded.
+    unsafe {
+        match rows.len() {
+            1 => dot_n::<1>(ty, rows, xq, xd, xs, out),
+            2 => dot_n::<2>(ty, rows, xq, xd, xs, out),
+            3 => dot_n::<3>(ty, rows, xq, xd, xs, out),
+            _ => dot_n::<4>(ty, rows, xq, xd, xs, out),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot_n<const R: usize>(
+    ty: BlockType,
+    rows: &[&[u8]],
+    xq: &[i8],
+    xd: &[f32],
+    xs: &[f32],
+    out: &mut [f32],
+) {
+    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r].as_ptr());
+    let x = xq.as_ptr() as *const u8;
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut bias = [_mm512_setzero_ps(); R];
+    // SAFETY: every pointer below stays inside its row or activation slice: the callers
+    // checked that the rows hold `cols / block_size` whole blocks and the activations
+    // `cols` values; prefetches never fault.
+    unsafe {
+        match ty {
+            BlockType::Q4K => q4k::<R>(rows, x, xd, xs, xq.len() / 256, &mut acc, &mut bias),
+            BlockType::Q6K => q6k::<R>(rows, x, xd, xs, xq.len() / 256, &mut acc, &mut bias),
+            _ => blocks32::<R>(ty, rows, x, xd, xs, xq.len() / 32, &mut acc, &mut bias),
+        }
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(bias[r]);
+    }
+}
+
+/// Shift counts for `vpsrlvw`/`vpsllvw` (one per 16-bit lane), four lanes at a time.
+const BY4: i64 = 0x0004_0004_0004_0004;
+const BY2: i64 = 0x0002_0002_0002_0002;
+
+/// Lanes 0–7 hold `a`, lanes 8–15 hold `b`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn halves(a: i32, b: i32) -> __m512i {
+    _mm512_inserti64x4::<1>(_mm512_set1_epi32(a), _mm256_set1_epi32(b))
+}
+
+/// Lane `i` holds `i / 2`: eight per-32 values spread over the 16 groups of 16.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn per16_index() -> __m512i {
+    _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0)
+}
+
+#[inline]
+unsafe fn u16_at(p: *const u8) -> u16 {
+    // SAFETY: the caller passes two readable bytes.
+    unsafe { (p as *const u16).read_unaligned() }
+}
+
+#[inline]
+unsafe fn u32_at(p: *const u8) -> u32 {
+    // SAFETY: the caller passes four readable bytes.
+    unsafe { (p as *const u32).read_unaligned() }
+}
+
+#[inline]
+#[target_feature(enable = "sse")]
+unsafe fn prefetch(p: *const u8) {
+    _mm_prefetch(p as *const i8, _MM_HINT_T0);
+}
+
+/// The 32-weight block types, eight blocks (one activation super-block's worth) at a time.
+#[allow(clippy::too_many_arguments)] // the kernel's inputs and its two accumulators
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn blocks32<const R: usize>(
+    ty: BlockType,
+    rows: [*const u8; R],
+    x: *const u8,
+    xd: &[f32],
+    xs: &[f32],
+    blocks: usize,
+    acc: &mut [__m512; R],
+    bias: &mut [__m512; R],
+) {
+    let bb = ty.block_bytes();
+    let m4 = _mm512_set1_epi8(0x0F);
+    let hi_bit = _mm512_set1_epi8(0x10);
+    let flip = _mm512_set1_epi8(-128);
+    // The nibble layouts (Q4_0, Q4_1, Q5_0): 128-bit lanes [lo 0, hi 0, lo 1, hi 1].
+    let nibble_shift = _mm512_set_epi64(BY4, BY4, 0, 0, BY4, BY4, 0, 0);
+    let pair_index: [__m512i; 4] = std::array::from_fn(|p| halves(2 * p as i32, 2 * p as i32 + 1));
+    let spread = per16_index();
+    // Per-block bias as a multiple of the block's scale (Q4_1 carries its own).
+    let bias_of_d = match ty {
+        BlockType::Q4_0 => -8.0,
+        BlockType::Q5_0 => -16.0,
+        BlockType::Q8_0 => -128.0,
+        _ => 0.0,
+    };
+    let offsets = _mm256_mullo_epi32(
+        _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
+        _mm256_set1_epi32(bb as i32),
+    );
+    let mut g = 0;
+    while g < blocks {
+        let n = (blocks - g).min(8);
+        let mask8 = (((1u32 << n) - 1) & 0xFF) as u8;
+        let mask16 = ((1u32 << (2 * n)) - 1) as u16;
+        // SAFETY: the masks keep the loads inside the `blocks` blocks.
+        let (dx, sums) = unsafe {
+            (
+                _mm256_maskz_loadu_ps(mask8, xd.as_ptr().add(g)),
+                _mm512_maskz_loadu_ps(mask16, xs.as_ptr().add(2 * g)),
+            )
+        };
+        // Activations of each pair of blocks; a lone last block gets zeros above it.
+        let xv: [__m512i; 4] = std::array::from_fn(|p| {
+            let b = 2 * p;
+            let bytes = if b + 1 < n {
+                u64::MAX
+            } else if b < n {
+                u32::MAX as u64
+            } else {
+                0
+            };
+            // SAFETY: masked to the blocks that exist.
+            unsafe { _mm512_maskz_loadu_epi8(bytes, x.add((g + b) * 32) as *const i8) }
+        });
+        for r in 0..R {
+            // SAFETY: block `g + b` for `b < n` lies inside the row.
+            unsafe {
+                let row = rows[r].add(g * bb);
+                let mut at = 0;
+                while at < n * bb {
+                    prefetch(row.wrapping_add(AHEAD + at));
+                    at += 64;
+                }
+                // The first four bytes of each block: its f16 scale (and Q4_1's f16 bias).
+                let heads = _mm256_mmask_i32gather_epi32::<1>(
+                    _mm256_setzero_si256(),
+                    mask8,
+                    offsets,
+                    row as *const i32,
+                );
+                let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads));
+                let coeff = if ty == BlockType::Q4_1 {
+                    _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32::<16>(heads)))
+                } else {
+                    _mm256_mul_ps(d, _mm256_set1_ps(bias_of_d))
+                };
+                bias[r] = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(spread, _mm512_zextps256_ps512(coeff)),
+                    sums,
+                    bias[r],
+                );
+                let s = _mm512_zextps256_ps512(_mm256_mul_ps(d, dx));
+                let mut b = 0;
+                while b < n {
+                    let b0 = row.add(b * bb);
+                    // A lone last block reads itself twice; its upper activations are 0.
+                    let b1 = if b + 1 < n { b0.add(bb) } else { b0 };
+                    let q = match ty {
+                        BlockType::Q8_0 => _mm512_xor_si512(
+                            _mm512_inserti64x4::<1>(
+                                _mm512_castsi256_si512(_mm256_loadu_si256(b0.add(2) as *const _)),
+                                _mm256_loadu_si256(b1.add(2) as *const _),
+                            ),
+                            flip,
+                        ),
+                        _ => {
+                            let o = match ty {
+                                BlockType::Q4_0 => 2,
+                                BlockType::Q4_1 => 4,
+                                _ => 6,
+                            };
+                            let lo = _mm512_broadcast_i32x4(_mm_loadu_si128(b0.add(o) as *const _));
+                            let both = _mm512_mask_broadcast_i32x4(
+                                lo,
+                                0xFF00,
+                                _mm_loadu_si128(b1.add(o) as *const _),
+                            );
+                            let q = _mm512_and_si512(_mm512_srlv_epi16(both, nibble_shift), m4);
+                            if ty == BlockType::Q5_0 {
+                                let high =
+                                    u32_at(b0.add(2)) as u64 | (u32_at(b1.add(2)) as u64) << 32;
+                                _mm512_mask_add_epi8(q, high, q, hi_bit)
+                            } else {
+                                q
+                            }
+                        }
+                    };
+                    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[b / 2]);
+                    acc[r] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(p),
+                        _mm512_permutexvar_ps(pair_index[b / 2], s),
+                        acc[r],
+                    );
+                    b += 2;
+                }
+            }
+        }
+        g += n;
+    }
+}
+
+/// Q4_K: per super-block of 256, eight 6-bit scales and mins (`d·sc`, `dmin·m` per 32)
+/// and 4-bit `q`, low nibbles of 32 bytes then their high nibbles.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q4k<const R: usize>(
+    rows: [*const u8; R],
+    x: *const u8,
+    xd: &[f32],
+    xs: &[f32],
+    blocks: usize,
+    acc: &mut [__m512; R],
+    bias: &mut [__m512; R],
+) {
+    let m4 = _mm512_set1_epi8(0x0F);
+    // 256-bit halves: the low nibbles, then the high ones.
+    let nibble_shift = _mm512_set_epi64(BY4, BY4, BY4, BY4, 0, 0, 0, 0);
+    let pair_index: [__m512i; 4] = std::array::from_fn(|p| halves(2 * p as i32, 2 * p as i32 + 1));
+    for sb in 0..blocks {
+        // SAFETY: super-block `sb` lies inside the rows and the activations.
+        unsafe {
+            let dx = _mm256_loadu_ps(xd.as_ptr().add(sb * 8));
+            let sums = _mm512_loadu_ps(xs.as_ptr().add(sb * 16));
+            let xv: [__m512i; 4] =
+                std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
+            for r in 0..R {
+                let blk = rows[r].add(sb * 144);
+                prefetch(blk.wrapping_add(AHEAD));
+                prefetch(blk.wrapping_add(AHEAD + 64));
+                prefetch(blk.wrapping_add(AHEAD + 128));
+                let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32_at(blk) as i32));
+                let d = _mm256_broadcastss_ps(dm);
+                let dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+                // The 12 packed bytes to eight scales and eight mins (llama.cpp's masks).
+                let (a, b, c) = (u32_at(blk.add(4)), u32_at(blk.add(8)), u32_at(blk.add(12)));
+                let sc = (a & 0x3f3f_3f3f) as u64
+                    | (((c & 0x0f0f_0f0f) | (((a >> 6) & 0x0303_0303) << 4)) as u64) << 32;
+                let mn = (b & 0x3f3f_3f3f) as u64
+                    | ((((c >> 4) & 0x0f0f_0f0f) | (((b >> 6) & 0x0303_0303) << 4)) as u64) << 32;
+                let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
+                let s = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_mul_ps(scales, d), dx));
+                let mins = _mm_cvtsi64_si128(mn as i64);
+                let mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mins, mins)));
+                bias[r] = _mm512_fnmadd_ps(_mm512_mul_ps(mins, dmin), sums, bias[r]);
+                for p in 0..4 {
+                    let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        blk.add(16 + 32 * p) as *const _
+                    ));
+                    let q = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), m4);
+                    let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[p]);
+                    acc[r] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(prod),
+                        _mm512_permutexvar_ps(pair_index[p], s),
+                        acc[r],
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Q6_K: per super-block of 256, 16 signed 8-bit scales (one per 16 weights), `q` in
+/// 0..64 (bias `-32·d·sc`) from four low bits in `ql` and two high bits in `qh`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn q6k<const R: usize>(
+    rows: [*const u8; R],
+    x: *const u8,
+    xd: &[f32],
+    xs: &[f32],
+    blocks: usize,
+    acc: &mut [__m512; R],
+    bias: &mut [__m512; R],
+) {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m30 = _mm512_set1_epi8(0x30);
+    // Within 64 weights, the high two bits of weights 0..32 sit at bits 0–1 (0–31) or
+    // 4–5 (64–95) of `qh`, those of 32..64 at bits 2–3 or 6–7: bring them to bits 4–5.
+    let up = _mm512_set_epi64(BY2, BY2, BY2, BY2, BY4, BY4, BY4, BY4);
+    let down = _mm512_set_epi64(BY2, BY2, BY2, BY2, 0, 0, 0, 0);
+    // Lane i of the product for weights 64j.. covers group 4j + i/4.
+    let group_index: [__m512i; 4] = std::array::from_fn(|j| {
+        let j = 4 * j as i32;
+        _mm512_set_epi32(
+            j + 3,
+            j + 3,
+            j + 3,
+            j + 3,
+            j + 2,
+            j + 2,
+            j + 2,
+            j + 2,
+            j + 1,
+            j + 1,
+            j + 1,
+            j + 1,
+            j,
+            j,
+            j,
+            j,
+        )
+    });
+    let spread = per16_index();
+    for sb in 0..blocks {
+        // SAFETY: super-block `sb` lies inside the rows and the activations.
+        unsafe {
+            let dx = _mm512_permutexvar_ps(
+                spread,
+                _mm512_zextps256_ps512(_mm256_loadu_ps(xd.as_ptr().add(sb * 8))),
+            );
+            let sums = _mm512_loadu_ps(xs.as_ptr().add(sb * 16));
+            let xv: [__m512i; 4] =
+                std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
+            for r in 0..R {
+                let blk = rows[r].add(sb * 210);
+                prefetch(blk.wrapping_add(AHEAD));
+                prefetch(blk.wrapping_add(AHEAD + 64));
+                prefetch(blk.wrapping_add(AHEAD + 128));
+                prefetch(blk.wrapping_add(AHEAD + 192));
+                let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                    u16_at(blk.add(208)) as i32,
+                )));
+                let scales = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                        blk.add(192) as *const _
+                    ))),
+                    d,
+                );
+                bias[r] =
+                    _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(-32.0)), sums, bias[r]);
+                let s = _mm512_mul_ps(scales, dx);
+                for half in 0..2 {
+                    let low = _mm512_loadu_si512(blk.add(64 * half) as *const _);
+                    let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                        blk.add(128 + 32 * half) as *const _
+                    ));
+                    let q01 = _mm512_ternarylogic_epi32::<0xF8>(
+                        _mm512_and_si512(low, m4),
+                        _mm512_sllv_epi16(high, up),
+                        m30,
+                    );
+                    let q23 = _mm512_ternarylogic_epi32::<0xF8>(
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(low), m4),
+                        _mm512_srlv_epi16(high, down),
+                        m30,
+                    );
+                    for (j, q) in [(2 * half, q01), (2 * half + 1, q23)] {
+                        let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[j]);
+                        acc[r] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(prod),
+                            _mm512_permutexvar_ps(group_index[j], s),
+                            acc[r],
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
