@@ -1,6 +1,7 @@
 //! Micro-benchmark of the quantized matmul on one matrix shape, every block type and
 //! instruction set: `cargo run --release -p shoal-kernels --example kernel_bench -- ROWS COLS T THREADS`.
-//! Prints nanoseconds per call and cycles-equivalent per 32 weights at the given GHz.
+//! Prints nanoseconds per call and per 32 weights. `KERNEL_BENCH_ISA=Amx` (or another
+//! instruction set's name) measures only that one.
 
 use std::time::Instant;
 
@@ -31,7 +32,11 @@ fn main() {
             blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
         }
         let m = QuantMatrix::new(ty, rows, cols, data).expect("matrix");
+        let only = std::env::var("KERNEL_BENCH_ISA").ok();
         for isa in Isa::available() {
+            if only.as_ref().is_some_and(|o| *o != format!("{isa:?}")) {
+                continue;
+            }
             let iters = (2e8 as usize / (rows * cols * t)).max(3);
             matmul_with(isa, &pool, &m, &x, t, &mut out).expect("warm");
             let start = Instant::now();

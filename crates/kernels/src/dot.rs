@@ -13,6 +13,8 @@ pub enum Isa {
     /// AVX-512 (F, BW, VL, VNNI) and F16C: `vpdpbusd` products, no 16-bit intermediate;
     /// 512-bit registers for single tokens (`wide`) and register tiles for batches.
     Avx512Vnni,
+    /// [`Isa::Avx512Vnni`] for single tokens, AMX-BF16 tiles (`tdpbf16ps`) for batches.
+    Amx,
 }
 
 impl Isa {
@@ -31,14 +33,22 @@ impl Isa {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            Self::Amx => Self::Avx512Vnni.is_available() && crate::amx::supported(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
     }
 
+    /// Whether a product of `t` tokens rounds weights and activations to bf16 (the AMX
+    /// tiles) rather than quantizing activations to 8 bits per 32.
+    pub fn batches_in_bf16(self, t: usize) -> bool {
+        self == Self::Amx && t >= crate::matmul::AMX_MIN_TOKENS
+    }
+
     /// Every instruction set this machine can run, best last.
     pub fn available() -> Vec<Isa> {
-        [Self::Scalar, Self::Avx2, Self::Avx512Vnni]
+        [Self::Scalar, Self::Avx2, Self::Avx512Vnni, Self::Amx]
             .into_iter()
             .filter(|i| i.is_available())
             .collect()
@@ -53,6 +63,7 @@ impl Isa {
                 "scalar" => Some(Self::Scalar),
                 "avx2" => Some(Self::Avx2),
                 "avx512vnni" => Some(Self::Avx512Vnni),
+                "amx" => Some(Self::Amx),
                 _ => None,
             });
         match forced {
@@ -72,7 +83,7 @@ pub(crate) fn dot(isa: Isa, w: &Unpacked, signed: bool, xq: &[i8], xd: &[f32]) -
         Isa::Avx2 => unsafe { x86::dot_avx2(w, signed, xq, xd) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx512Vnni => unsafe { x86::dot_vnni(w, signed, xq, xd) },
+        Isa::Avx512Vnni | Isa::Amx => unsafe { x86::dot_vnni(w, signed, xq, xd) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => dot_scalar(w, signed, xq, xd),
     }
@@ -106,7 +117,7 @@ pub(crate) fn dot_many(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: callers only pass an Isa that `is_available` on this machine.
-        Isa::Avx2 | Isa::Avx512Vnni if xs.len() == 4 => unsafe {
+        Isa::Avx2 | Isa::Avx512Vnni | Isa::Amx if xs.len() == 4 => unsafe {
             x86::dot4_avx2(w, signed, xs, out)
         },
         _ => {

@@ -13,6 +13,7 @@
 //! `Σ w·x = Σ_h scale_h·d_x·Σ_{i∈h} q_i·x_i + Σ_h bias_h·d_x·Σ_{i∈h} x_i`, where `h` runs over
 //! groups of 16 and `d_x` is the activation block's scale.
 
+mod amx;
 mod blocks;
 mod dot;
 mod fused;

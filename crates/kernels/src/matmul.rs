@@ -128,6 +128,9 @@ impl Activations {
     }
 }
 
+/// Batches at least this large take the AMX tiles (when the Isa is [`Isa::Amx`]).
+pub(crate) const AMX_MIN_TOKENS: usize = 2;
+
 thread_local! {
     static ROW: RefCell<Unpacked> = RefCell::new(Unpacked::default());
 }
@@ -154,6 +157,18 @@ pub fn matmul_with(
             expected: t * w.rows,
             actual: out.len(),
         });
+    }
+    if x.len() != t * w.cols {
+        return Err(KernelError::Size {
+            what: "activations",
+            expected: t * w.cols,
+            actual: x.len(),
+        });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa.batches_in_bf16(t) {
+        crate::amx::matmul(pool, w, x, t, out);
+        return Ok(());
     }
     let acts = Activations::quantize(x, t, w.cols)?;
     if crate::tile::applies(isa, w, t) {
@@ -182,7 +197,7 @@ pub fn matmul_with(
                 // covers the weight rows (all have `cols` values).
                 unsafe {
                     match isa {
-                        Isa::Avx512Vnni => {
+                        Isa::Avx512Vnni | Isa::Amx => {
                             crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
                         }
                         _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),

@@ -28,7 +28,10 @@ const TOKEN_BLOCK_BYTES: usize = 1 << 20;
 
 /// Whether the tiled kernel can take this product.
 pub(crate) fn applies(isa: Isa, w: &QuantMatrix, t: usize) -> bool {
-    cfg!(target_arch = "x86_64") && isa == Isa::Avx512Vnni && t > 1 && w.cols().is_multiple_of(64)
+    cfg!(target_arch = "x86_64")
+        && matches!(isa, Isa::Avx512Vnni | Isa::Amx)
+        && t > 1
+        && w.cols().is_multiple_of(64)
 }
 
 thread_local! {
