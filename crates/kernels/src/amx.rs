@@ -32,8 +32,10 @@ use crate::matmul::QuantMatrix;
 const PANEL: usize = 32;
 /// Tokens per step (two tiles of 16).
 const TOKENS: usize = 32;
-/// Bytes of packed activations per block of tokens (about half of L2).
-const ACTS_BLOCK_BYTES: usize = 1 << 20;
+/// Bytes of packed activations per block of tokens: each panel is dequantized again for
+/// every block, which on the machines measured cost more than streaming the tiles of a
+/// long prompt's activations from L3 (the tile loads themselves are the slower part).
+const ACTS_BLOCK_BYTES: usize = 1 << 24;
 /// Bytes of one tile: 16 rows of 64.
 const TILE: usize = 1024;
 
@@ -138,8 +140,8 @@ pub(crate) fn matmul(pool: &ThreadPool, w: &QuantMatrix, x: &[f32], t: usize, ou
                 let config = TileConfig::eight_full_tiles();
                 // SAFETY: `supported` granted the tile state; the config is valid.
                 unsafe { asm!("ldtilecfg [{}]", in(reg) &config as *const TileConfig) };
-                // Tokens in blocks whose packed activations stay in L2 while every
-                // panel passes them; each panel is dequantized once per block.
+                // Tokens in blocks of ACTS_BLOCK_BYTES; each panel is dequantized once
+                // per block.
                 let block_pairs = (ACTS_BLOCK_BYTES / (2 * k * TOKENS)).max(1);
                 let mut pair0 = 0;
                 while pair0 < groups / 2 {
@@ -154,7 +156,6 @@ pub(crate) fn matmul(pool: &ThreadPool, w: &QuantMatrix, x: &[f32], t: usize, ou
                             unsafe {
                                 product(
                                     panel.as_ptr(),
-                                    k,
                                     packed.as_ptr().add(2 * pair * steps * 256),
                                     steps,
                                     &mut c,
@@ -196,16 +197,9 @@ pub(crate) fn matmul(pool: &ThreadPool, w: &QuantMatrix, x: &[f32], t: usize, ou
 /// Accumulates one panel (32 rows) against 32 tokens over all `steps` into four tiles.
 ///
 /// # Safety
-/// Tiles configured by `eight_full_tiles`; `panel` holds 32 rows of `k = 32·steps` bf16;
-/// `acts` holds two groups of `steps` packed tiles.
-unsafe fn product(
-    panel: *const u16,
-    k: usize,
-    acts: *const u32,
-    steps: usize,
-    c: &mut [[f32; 256]; 4],
-) {
-    let stride = 2 * k;
+/// Tiles configured by `eight_full_tiles`; `panel` holds 32 rows of `32·steps` bf16 in
+/// tile order; `acts` holds two groups of `steps` packed tiles.
+unsafe fn product(panel: *const u16, acts: *const u32, steps: usize, c: &mut [[f32; 256]; 4]) {
     // SAFETY: per the contract; tiles 0–3 accumulate, 4–5 weights, 6–7 activations.
     unsafe {
         asm!(
@@ -215,13 +209,13 @@ unsafe fn product(
             "tilezero tmm3"
         );
         for s in 0..steps {
-            let w0 = panel.add(32 * s);
-            let w1 = panel.add(16 * k + 32 * s);
+            let w0 = panel.add(1024 * s);
+            let w1 = panel.add(1024 * s + 512);
             let x0 = acts.add(256 * s);
             let x1 = acts.add(256 * (steps + s));
             asm!(
-                "tileloadd tmm4, [{w0} + {stride}*1]",
-                "tileloadd tmm5, [{w1} + {stride}*1]",
+                "tileloadd tmm4, [{w0} + {row}*1]",
+                "tileloadd tmm5, [{w1} + {row}*1]",
                 "tileloadd tmm6, [{x0} + {row}*1]",
                 "tileloadd tmm7, [{x1} + {row}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
@@ -232,7 +226,6 @@ unsafe fn product(
                 w1 = in(reg) w1,
                 x0 = in(reg) x0,
                 x1 = in(reg) x1,
-                stride = in(reg) stride,
                 row = in(reg) 64usize,
                 options(nostack),
             );
@@ -280,32 +273,45 @@ unsafe fn pack_group(x: &[f32], t: usize, k: usize, g: usize, dst: *mut u32) {
     }
 }
 
-/// Dequantizes rows `r0..r0 + PANEL` of `w` to bf16 (rows past the matrix: zeros).
+/// Dequantizes rows `r0..r0 + PANEL` of `w` to bf16 (rows past the matrix: zeros), in
+/// tile order: step `s`'s tile of rows `16h..16h + 16` is 1 KiB at `(2s + h)·512`, so
+/// every tile load reads one contiguous run.
 fn fill_panel(w: &QuantMatrix, r0: usize, panel: &mut [u16], row: &mut Unpacked) {
     let k = w.cols();
     if row.q.len() != k {
         *row = Unpacked::with_cols(k);
     }
-    for (i, dst) in panel.chunks_exact_mut(k).enumerate() {
+    for i in 0..PANEL {
         if r0 + i >= w.rows() {
-            dst.fill(0);
+            for s in 0..k / 32 {
+                let at = tile_offset(s, i);
+                panel[at..at + 32].fill(0);
+            }
             continue;
         }
         unpack_row_with(Isa::Avx2, w.block_type(), w.row(r0 + i), row);
-        // SAFETY: AVX-512 F/BF16 come with `supported`; `row` and `dst` hold k values.
-        unsafe { to_bf16(row, w.block_type().signed(), dst) };
+        // SAFETY: AVX-512 F/BF16 come with `supported`; `row` holds k values and the
+        // panel PANEL rows of k.
+        unsafe { to_bf16(row, w.block_type().signed(), panel, i) };
     }
 }
 
-/// `scale·q + bias` per 16 weights, rounded to bf16.
+/// Where panel row `i`'s values `32s..32s + 32` go.
+fn tile_offset(s: usize, i: usize) -> usize {
+    (2 * s + i / 16) * 512 + (i % 16) * 32
+}
+
+/// `scale·q + bias` per 16 weights, rounded to bf16, into panel row `i`.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn to_bf16(row: &Unpacked, signed: bool, dst: &mut [u16]) {
-    assert!(row.q.len() == dst.len() && dst.len().is_multiple_of(32));
-    for h in 0..dst.len() / 32 {
-        // SAFETY: 32 bytes of q at 32h and 32 u16 of dst, checked above.
+unsafe fn to_bf16(row: &Unpacked, signed: bool, panel: &mut [u16], i: usize) {
+    let k = row.q.len();
+    assert!(k.is_multiple_of(32) && panel.len() >= PANEL * k && i < PANEL);
+    for s in 0..k / 32 {
+        // SAFETY: 32 bytes of q at 32s and 32 u16 of the panel at the tile offset, checked
+        // above.
         unsafe {
             let values: [__m512; 2] = std::array::from_fn(|half| {
-                let g = 2 * h + half;
+                let g = 2 * s + half;
                 let bytes = _mm_loadu_si128(row.q.as_ptr().add(16 * g) as *const __m128i);
                 let q = if signed {
                     _mm512_cvtepi8_epi32(bytes)
@@ -319,7 +325,7 @@ unsafe fn to_bf16(row: &Unpacked, signed: bool, dst: &mut [u16]) {
                 )
             });
             let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(values[1], values[0]));
-            _mm512_storeu_si512(dst.as_mut_ptr().add(32 * h) as *mut _, bf);
+            _mm512_storeu_si512(panel.as_mut_ptr().add(tile_offset(s, i)) as *mut _, bf);
         }
     }
 }

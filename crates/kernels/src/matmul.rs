@@ -128,8 +128,10 @@ impl Activations {
     }
 }
 
-/// Batches at least this large take the AMX tiles (when the Isa is [`Isa::Amx`]).
-pub(crate) const AMX_MIN_TOKENS: usize = 2;
+/// Batches at least this large take the AMX tiles (when the Isa is [`Isa::Amx`]): below
+/// it, dequantizing the weights to bf16 costs more than the VNNI tiles' whole product
+/// (`kernel_bench 1536 1536 T 1`: the two meet between 8 and 16 tokens).
+pub(crate) const AMX_MIN_TOKENS: usize = 12;
 
 thread_local! {
     static ROW: RefCell<Unpacked> = RefCell::new(Unpacked::default());

@@ -232,6 +232,7 @@ fn every_block_type_on_every_instruction_set_matches_the_reference() {
                 (5, 6, 9),
                 // Batches past one AMX panel (32 rows) and one step (32 tokens).
                 (37, 2, 35),
+                (20, 3, 12),
             ] {
                 for fill in [Fill::Random, Fill::Zero, Fill::Huge, Fill::Tiny] {
                     seed += 1;
