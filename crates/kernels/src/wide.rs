@@ -18,8 +18,12 @@ use std::arch::x86_64::*;
 
 use crate::BlockType;
 
-/// How far ahead of the block in hand the weights are prefetched, in bytes.
+/// How far ahead of the block in hand the weights are prefetched when a pass's rows are
+/// long, in bytes.
 const AHEAD: usize = 1024;
+/// Passes of rows up to this many bytes prefetch the next pass instead (the same offset
+/// four rows on): short rows end before a prefetch 1 KiB ahead reaches new memory.
+const NEXT_PASS_BYTES: usize = 32 << 10;
 
 /// `Σ w·x` of up to four packed rows (`rows[..n]`) and one quantized activation row (as
 /// in `fused`), into `out[..n]`.
@@ -60,23 +64,46 @@ unsafe fn dot_n<const R: usize>(
     xs: &[f32],
     out: &mut [f32],
 ) {
-    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r].as_ptr());
-    let x = xq.as_ptr() as *const u8;
     let mut acc = [_mm512_setzero_ps(); R];
     let mut bias = [_mm512_setzero_ps(); R];
+    // The caller's passes take `fused::ROWS` consecutive rows each.
+    let pass_bytes = crate::fused::ROWS * ty.row_bytes(xq.len());
+    let ahead = if pass_bytes <= NEXT_PASS_BYTES {
+        pass_bytes
+    } else {
+        AHEAD
+    };
+    let input = Input {
+        rows: std::array::from_fn(|r| rows[r].as_ptr()),
+        x: xq.as_ptr() as *const u8,
+        xd,
+        xs,
+        ahead,
+    };
     // SAFETY: every pointer below stays inside its row or activation slice: the callers
     // checked that the rows hold `cols / block_size` whole blocks and the activations
     // `cols` values; prefetches never fault.
     unsafe {
         match ty {
-            BlockType::Q4K => q4k::<R>(rows, x, xd, xs, xq.len() / 256, &mut acc, &mut bias),
-            BlockType::Q6K => q6k::<R>(rows, x, xd, xs, xq.len() / 256, &mut acc, &mut bias),
-            _ => blocks32::<R>(ty, rows, x, xd, xs, xq.len() / 32, &mut acc, &mut bias),
+            BlockType::Q4K => q4k::<R>(&input, xq.len() / 256, &mut acc, &mut bias),
+            BlockType::Q6K => q6k::<R>(&input, xq.len() / 256, &mut acc, &mut bias),
+            _ => blocks32::<R>(ty, &input, xq.len() / 32, &mut acc, &mut bias),
         }
     }
     for r in 0..R {
         out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(bias[r]);
     }
+}
+
+/// What every kernel reads: `R` weight rows, the quantized activations (bytes, per-32
+/// scales, per-16 sums) and the prefetch distance.
+#[derive(Clone, Copy)]
+struct Input<'a, const R: usize> {
+    rows: [*const u8; R],
+    x: *const u8,
+    xd: &'a [f32],
+    xs: &'a [f32],
+    ahead: usize,
 }
 
 /// Shift counts for `vpsrlvw`/`vpsllvw` (one per 16-bit lane), four lanes at a time.
@@ -116,19 +143,22 @@ unsafe fn prefetch(p: *const u8) {
 }
 
 /// The 32-weight block types, eight blocks (one activation super-block's worth) at a time.
-#[allow(clippy::too_many_arguments)] // the kernel's inputs and its two accumulators
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn blocks32<const R: usize>(
     ty: BlockType,
-    rows: [*const u8; R],
-    x: *const u8,
-    xd: &[f32],
-    xs: &[f32],
+    input: &Input<'_, R>,
     blocks: usize,
     acc: &mut [__m512; R],
     bias: &mut [__m512; R],
 ) {
+    let Input {
+        rows,
+        x,
+        xd,
+        xs,
+        ahead,
+    } = *input;
     let bb = ty.block_bytes();
     let m4 = _mm512_set1_epi8(0x0F);
     let hi_bit = _mm512_set1_epi8(0x10);
@@ -179,7 +209,7 @@ unsafe fn blocks32<const R: usize>(
                 let row = rows[r].add(g * bb);
                 let mut at = 0;
                 while at < n * bb {
-                    prefetch(row.wrapping_add(AHEAD + at));
+                    prefetch(row.wrapping_add(ahead + at));
                     at += 64;
                 }
                 // The first four bytes of each block: its f16 scale (and Q4_1's f16 bias).
@@ -255,14 +285,18 @@ unsafe fn blocks32<const R: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q4k<const R: usize>(
-    rows: [*const u8; R],
-    x: *const u8,
-    xd: &[f32],
-    xs: &[f32],
+    input: &Input<'_, R>,
     blocks: usize,
     acc: &mut [__m512; R],
     bias: &mut [__m512; R],
 ) {
+    let Input {
+        rows,
+        x,
+        xd,
+        xs,
+        ahead,
+    } = *input;
     let m4 = _mm512_set1_epi8(0x0F);
     // 256-bit halves: the low nibbles, then the high ones.
     let nibble_shift = _mm512_set_epi64(BY4, BY4, BY4, BY4, 0, 0, 0, 0);
@@ -276,9 +310,9 @@ unsafe fn q4k<const R: usize>(
                 std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
             for r in 0..R {
                 let blk = rows[r].add(sb * 144);
-                prefetch(blk.wrapping_add(AHEAD));
-                prefetch(blk.wrapping_add(AHEAD + 64));
-                prefetch(blk.wrapping_add(AHEAD + 128));
+                prefetch(blk.wrapping_add(ahead));
+                prefetch(blk.wrapping_add(ahead + 64));
+                prefetch(blk.wrapping_add(ahead + 128));
                 let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(u32_at(blk) as i32));
                 let d = _mm256_broadcastss_ps(dm);
                 let dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
@@ -315,14 +349,18 @@ unsafe fn q4k<const R: usize>(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn q6k<const R: usize>(
-    rows: [*const u8; R],
-    x: *const u8,
-    xd: &[f32],
-    xs: &[f32],
+    input: &Input<'_, R>,
     blocks: usize,
     acc: &mut [__m512; R],
     bias: &mut [__m512; R],
 ) {
+    let Input {
+        rows,
+        x,
+        xd,
+        xs,
+        ahead,
+    } = *input;
     let m4 = _mm512_set1_epi8(0x0F);
     let m30 = _mm512_set1_epi8(0x30);
     // Within 64 weights, the high two bits of weights 0..32 sit at bits 0–1 (0–31) or
@@ -364,10 +402,10 @@ unsafe fn q6k<const R: usize>(
                 std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
             for r in 0..R {
                 let blk = rows[r].add(sb * 210);
-                prefetch(blk.wrapping_add(AHEAD));
-                prefetch(blk.wrapping_add(AHEAD + 64));
-                prefetch(blk.wrapping_add(AHEAD + 128));
-                prefetch(blk.wrapping_add(AHEAD + 192));
+                prefetch(blk.wrapping_add(ahead));
+                prefetch(blk.wrapping_add(ahead + 64));
+                prefetch(blk.wrapping_add(ahead + 128));
+                prefetch(blk.wrapping_add(ahead + 192));
                 let d = _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(
                     u16_at(blk.add(208)) as i32,
                 )));
