@@ -1,7 +1,7 @@
 //! Micro-benchmark of the quantized matmul on one matrix shape, every block type and
 //! instruction set: `cargo run --release -p shoal-kernels --example kernel_bench -- ROWS COLS T THREADS`.
 //! Prints nanoseconds per call and per 32 weights. `KERNEL_BENCH_ISA=Amx` (or another
-//! instruction set's name) measures only that one.
+//! instruction set's name) and `KERNEL_BENCH_TYPE=Q4_1` (a block type) narrow it down.
 
 use std::time::Instant;
 
@@ -22,7 +22,11 @@ fn main() {
         .collect();
     let mut out = vec![0f32; t * rows];
     println!("rows {rows} cols {cols} tokens {t} threads {threads}");
+    let only_type = std::env::var("KERNEL_BENCH_TYPE").ok();
     for ty in BlockType::ALL {
+        if only_type.as_ref().is_some_and(|o| *o != format!("{ty:?}")) {
+            continue;
+        }
         let mut data: Vec<u8> = (0..rows * ty.row_bytes(cols))
             .map(|i| (i * 31 % 251) as u8)
             .collect();

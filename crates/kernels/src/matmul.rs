@@ -187,30 +187,8 @@ pub fn matmul_with(
         let end = ((i + 1) * per).min(n);
         #[cfg(target_arch = "x86_64")]
         if t == 1 && isa != Isa::Scalar {
-            // One token: decode each block in registers (no unpacked row).
-            let (xq, xd, xs) = acts.row(0);
-            let mut r = start;
-            while r < end {
-                let take = (end - r).min(crate::fused::rows_per_pass());
-                let rows: [&[u8]; crate::fused::ROWS] =
-                    std::array::from_fn(|i| w.row(r + i.min(take - 1)));
-                let mut vals = [0f32; crate::fused::ROWS];
-                // SAFETY: the Isa is available (checked above); the activation row
-                // covers the weight rows (all have `cols` values).
-                unsafe {
-                    match isa {
-                        Isa::Avx512Vnni | Isa::Amx => {
-                            crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
-                        }
-                        _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
-                    }
-                };
-                for (i, v) in vals.iter().enumerate().take(take) {
-                    // SAFETY: as below, disjoint columns per thread.
-                    unsafe { *(out_addr as *mut f32).add(r + i) = *v };
-                }
-                r += take;
-            }
+            // SAFETY: the Isa is available; this thread owns rows start..end of `out`.
+            unsafe { decode_rows(isa, w, &acts, start..end, out_addr as *mut f32) };
             return;
         }
         ROW.with(|cell| {
@@ -248,6 +226,122 @@ pub fn matmul_with(
             }
         });
     });
+    Ok(())
+}
+
+/// One token: each block decoded in registers (no unpacked row), rows `range` of `w`
+/// into `out[range]`.
+///
+/// # Safety
+/// `isa` is available and not `Scalar`; `acts` holds one row of `w.cols` values; `out`
+/// points at `w.rows` writable floats of which no other thread writes `range`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn decode_rows(
+    isa: Isa,
+    w: &QuantMatrix,
+    acts: &Activations,
+    range: std::ops::Range<usize>,
+    out: *mut f32,
+) {
+    let (xq, xd, xs) = acts.row(0);
+    let mut r = range.start;
+    while r < range.end {
+        let take = (range.end - r).min(crate::fused::rows_per_pass());
+        let rows: [&[u8]; crate::fused::ROWS] = std::array::from_fn(|i| w.row(r + i.min(take - 1)));
+        let mut vals = [0f32; crate::fused::ROWS];
+        // SAFETY: the Isa is available (the caller's contract); the activation row covers
+        // the weight rows (all have `cols` values).
+        unsafe {
+            match isa {
+                Isa::Avx512Vnni | Isa::Amx => {
+                    crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
+                }
+                _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
+            }
+        };
+        for (i, v) in vals.iter().enumerate().take(take) {
+            // SAFETY: `r + i < range.end ≤ w.rows`, this thread's rows (the contract).
+            unsafe { *out.add(r + i) = *v };
+        }
+        r += take;
+    }
+}
+
+/// Several matrices of one width applied to the same activations (a layer's query, key
+/// and value projections; its gate and up projections): `outs[i] = x · ws[i]ᵀ`. A single
+/// token is quantized once and all rows are shared out among the threads in one call;
+/// batches run one [`matmul`] per matrix.
+pub fn matmul_many(
+    ws: &[&QuantMatrix],
+    x: &[f32],
+    t: usize,
+    outs: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    matmul_many_with(Isa::detect(), ThreadPool::global(), ws, x, t, outs)
+}
+
+/// [`matmul_many`] with a chosen instruction set and pool.
+pub fn matmul_many_with(
+    isa: Isa,
+    pool: &ThreadPool,
+    ws: &[&QuantMatrix],
+    x: &[f32],
+    t: usize,
+    outs: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    if ws.len() != outs.len() {
+        return Err(KernelError::Size {
+            what: "outputs",
+            expected: ws.len(),
+            actual: outs.len(),
+        });
+    }
+    let isa = if isa.is_available() { isa } else { Isa::Scalar };
+    let cols = ws.first().map_or(0, |w| w.cols);
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        if w.cols != cols {
+            return Err(KernelError::Size {
+                what: "matrix width",
+                expected: cols,
+                actual: w.cols,
+            });
+        }
+        if out.len() != t * w.rows {
+            return Err(KernelError::Size {
+                what: "output",
+                expected: t * w.rows,
+                actual: out.len(),
+            });
+        }
+    }
+    if t != 1 || isa == Isa::Scalar || cfg!(not(target_arch = "x86_64")) {
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            matmul_with(isa, pool, w, x, t, out)?;
+        }
+        return Ok(());
+    }
+    let acts = Activations::quantize(x, 1, cols)?;
+    let total: usize = ws.iter().map(|w| w.rows).sum();
+    let threads = pool.size().min(total).max(1);
+    let per = total.div_ceil(threads);
+    let outs: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
+    pool.run(&|i| {
+        let (start, end) = ((i * per).min(total), ((i + 1) * per).min(total));
+        let mut first = 0;
+        for (w, &out) in ws.iter().zip(&outs) {
+            let (lo, hi) = (start.max(first), end.min(first + w.rows));
+            if lo < hi {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the Isa is available and not Scalar (checked above); each thread
+                // writes only its own share of the concatenated rows.
+                unsafe {
+                    decode_rows(isa, w, &acts, lo - first..hi - first, out as *mut f32)
+                };
+            }
+            first += w.rows;
+        }
+    });
+    let _ = isa;
     Ok(())
 }
 

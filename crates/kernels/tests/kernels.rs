@@ -7,7 +7,9 @@ use std::borrow::Cow;
 use candle_core::Device;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use half::f16;
-use shoal_kernels::{BlockType, Isa, QuantMatrix, ThreadPool, dequantize_row, matmul_with};
+use shoal_kernels::{
+    BlockType, Isa, QuantMatrix, ThreadPool, dequantize_row, matmul_many_with, matmul_with,
+};
 
 struct Rng(u64);
 impl Rng {
@@ -273,6 +275,63 @@ fn quantized_activations_stay_close_to_f32_activations() {
             );
         }
     }
+}
+
+#[test]
+fn several_matrices_in_one_call_equal_one_call_each() {
+    // Mixed block types and row counts (a layer's q, k, v can differ), so the threads'
+    // shares of the concatenated rows cross matrix boundaries.
+    let mut rng = Rng(5);
+    let cols = 512;
+    let shapes = [
+        (BlockType::Q4K, 13),
+        (BlockType::Q6K, 5),
+        (BlockType::Q5_0, 9),
+        (BlockType::Q8_0, 1),
+    ];
+    let mats: Vec<QuantMatrix> = shapes
+        .iter()
+        .map(|&(ty, rows)| {
+            let data = make_matrix(ty, rows, cols, Fill::Random, &mut rng);
+            QuantMatrix::new(ty, rows, cols, data).expect("matrix")
+        })
+        .collect();
+    let ws: Vec<&QuantMatrix> = mats.iter().collect();
+    for isa in Isa::available() {
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for t in [1, 3] {
+                let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
+                let mut many: Vec<Vec<f32>> =
+                    mats.iter().map(|m| vec![0f32; t * m.rows()]).collect();
+                let mut outs: Vec<&mut [f32]> = many.iter_mut().map(|o| o.as_mut_slice()).collect();
+                matmul_many_with(isa, &pool, &ws, &x, t, &mut outs).expect("matmul_many");
+                for (m, got) in mats.iter().zip(&many) {
+                    let mut one = vec![0f32; t * m.rows()];
+                    matmul_with(isa, &pool, m, &x, t, &mut one).expect("matmul");
+                    assert_eq!(
+                        got,
+                        &one,
+                        "{isa:?} {:?} threads {threads} t {t}",
+                        m.block_type()
+                    );
+                }
+            }
+        }
+    }
+    let pool = ThreadPool::new(1);
+    let narrow = QuantMatrix::new(BlockType::Q8_0, 1, 32, vec![0; 34]).expect("matrix");
+    let mut a = vec![0f32; 13];
+    let mut b = vec![0f32; 1];
+    let err = matmul_many_with(
+        Isa::Scalar,
+        &pool,
+        &[ws[0], &narrow],
+        &[0.0; 512],
+        1,
+        &mut [&mut a, &mut b],
+    );
+    assert!(err.is_err(), "matrices of different widths are refused");
 }
 
 #[test]

@@ -168,6 +168,44 @@ impl QLinear {
         self.out_features
     }
 
+    /// Several projections of the same input (`x`: `(.., in_features)` f32), one output
+    /// each. A single token through shoal's kernels is one kernel call for all of them (one
+    /// activation quantization, one hand-out to the threads); anything else is one
+    /// [`QLinear::forward`] each.
+    pub fn forward_many(linears: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let mut dims = x.dims().to_vec();
+        let k = dims.pop().unwrap_or(0);
+        let t = dims.iter().product::<usize>();
+        let matrices: Option<Vec<&QuantMatrix>> = linears
+            .iter()
+            .map(|l| match &l.weight {
+                Matrix::Shoal(m) if l.in_features == k => Some(m.as_ref()),
+                _ => None,
+            })
+            .collect();
+        let Some(matrices) = matrices.filter(|_| t == 1 && x.dtype() == DType::F32) else {
+            return linears.iter().map(|l| l.forward(x)).collect();
+        };
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let mut outs: Vec<Vec<f32>> = linears.iter().map(|l| vec![0f32; l.out_features]).collect();
+        let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
+        shoal_kernels::matmul_many(&matrices, &xs, t, &mut views)
+            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        linears
+            .iter()
+            .zip(outs)
+            .map(|(l, out)| {
+                let mut shape = dims.clone();
+                shape.push(l.out_features);
+                let y = Tensor::from_vec(out, shape, &Device::Cpu)?;
+                Ok(match &l.bias {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                })
+            })
+            .collect()
+    }
+
     /// `x`: `(.., in_features)` f32; returns `(.., out_features)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {

@@ -580,9 +580,12 @@ impl Model {
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous()?)
         };
-        let mut q = heads(a.q.forward(&h)?, nh)?;
-        let mut k = heads(a.k.forward(&h)?, nkv)?;
-        let v = heads(a.v.forward(&h)?, nkv)?;
+        let [q, k, v]: [Tensor; 3] = QLinear::forward_many(&[&a.q, &a.k, &a.v], &h)?
+            .try_into()
+            .map_err(|_| ModelError::Invalid("three projections, three outputs".into()))?;
+        let mut q = heads(q, nh)?;
+        let mut k = heads(k, nkv)?;
+        let v = heads(v, nkv)?;
         if let Some(n) = &a.q_norm {
             q = n.forward(&q)?;
         }
@@ -615,7 +618,10 @@ impl Model {
     ) -> Result<Tensor> {
         let x = (x + reduce(layer.attn.o.forward(attn)?, links)?)?;
         let h = layer.ffn_norm.forward(&x)?;
-        let ff = (candle_nn::ops::silu(&layer.gate.forward(&h)?)? * layer.up.forward(&h)?)?;
+        let [gate, up]: [Tensor; 2] = QLinear::forward_many(&[&layer.gate, &layer.up], &h)?
+            .try_into()
+            .map_err(|_| ModelError::Invalid("two projections, two outputs".into()))?;
+        let ff = (candle_nn::ops::silu(&gate)? * up)?;
         Ok((x + reduce(layer.down.forward(&ff)?, links)?)?)
     }
 
