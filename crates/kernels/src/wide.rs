@@ -203,6 +203,9 @@ unsafe fn blocks32<const R: usize>(
             // SAFETY: masked to the blocks that exist.
             unsafe { _mm512_maskz_loadu_epi8(bytes, x.add((g + b) * 32) as *const i8) }
         });
+        // Per row: prefetch, the eight blocks' scales (`s`) and their bias terms. The
+        // row loops are innermost and short, so the accumulators stay in registers.
+        let mut s = [_mm512_setzero_ps(); R];
         for r in 0..R {
             // SAFETY: block `g + b` for `b < n` lies inside the row.
             unsafe {
@@ -230,10 +233,16 @@ unsafe fn blocks32<const R: usize>(
                     sums,
                     bias[r],
                 );
-                let s = _mm512_zextps256_ps512(_mm256_mul_ps(d, dx));
-                let mut b = 0;
-                while b < n {
-                    let b0 = row.add(b * bb);
+                s[r] = _mm512_zextps256_ps512(_mm256_mul_ps(d, dx));
+            }
+        }
+        let mut b = 0;
+        while b < n {
+            for r in 0..R {
+                // SAFETY: blocks `g + b` (and `g + b + 1` when `b + 1 < n`) lie inside
+                // the row.
+                unsafe {
+                    let b0 = rows[r].add((g + b) * bb);
                     // A lone last block reads itself twice; its upper activations are 0.
                     let b1 = if b + 1 < n { b0.add(bb) } else { b0 };
                     let q = match ty {
@@ -269,12 +278,12 @@ unsafe fn blocks32<const R: usize>(
                     let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[b / 2]);
                     acc[r] = _mm512_fmadd_ps(
                         _mm512_cvtepi32_ps(p),
-                        _mm512_permutexvar_ps(pair_index[b / 2], s),
+                        _mm512_permutexvar_ps(pair_index[b / 2], s[r]),
                         acc[r],
                     );
-                    b += 2;
                 }
             }
+            b += 2;
         }
         g += n;
     }
@@ -308,6 +317,7 @@ unsafe fn q4k<const R: usize>(
             let sums = _mm512_loadu_ps(xs.as_ptr().add(sb * 16));
             let xv: [__m512i; 4] =
                 std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
+            let mut s = [_mm512_setzero_ps(); R];
             for r in 0..R {
                 let blk = rows[r].add(sb * 144);
                 prefetch(blk.wrapping_add(ahead));
@@ -323,19 +333,21 @@ unsafe fn q4k<const R: usize>(
                 let mn = (b & 0x3f3f_3f3f) as u64
                     | ((((c >> 4) & 0x0f0f_0f0f) | (((b >> 6) & 0x0303_0303) << 4)) as u64) << 32;
                 let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
-                let s = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_mul_ps(scales, d), dx));
+                s[r] = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_mul_ps(scales, d), dx));
                 let mins = _mm_cvtsi64_si128(mn as i64);
                 let mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mins, mins)));
                 bias[r] = _mm512_fnmadd_ps(_mm512_mul_ps(mins, dmin), sums, bias[r]);
-                for p in 0..4 {
+            }
+            for p in 0..4 {
+                for r in 0..R {
                     let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(
-                        blk.add(16 + 32 * p) as *const _
+                        rows[r].add(sb * 144 + 16 + 32 * p) as *const _,
                     ));
                     let q = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), m4);
                     let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[p]);
                     acc[r] = _mm512_fmadd_ps(
                         _mm512_cvtepi32_ps(prod),
-                        _mm512_permutexvar_ps(pair_index[p], s),
+                        _mm512_permutexvar_ps(pair_index[p], s[r]),
                         acc[r],
                     );
                 }
@@ -400,6 +412,7 @@ unsafe fn q6k<const R: usize>(
             let sums = _mm512_loadu_ps(xs.as_ptr().add(sb * 16));
             let xv: [__m512i; 4] =
                 std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
+            let mut s = [_mm512_setzero_ps(); R];
             for r in 0..R {
                 let blk = rows[r].add(sb * 210);
                 prefetch(blk.wrapping_add(ahead));
@@ -417,8 +430,11 @@ unsafe fn q6k<const R: usize>(
                 );
                 bias[r] =
                     _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(-32.0)), sums, bias[r]);
-                let s = _mm512_mul_ps(scales, dx);
-                for half in 0..2 {
+                s[r] = _mm512_mul_ps(scales, dx);
+            }
+            for half in 0..2 {
+                for r in 0..R {
+                    let blk = rows[r].add(sb * 210);
                     let low = _mm512_loadu_si512(blk.add(64 * half) as *const _);
                     let high = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                         blk.add(128 + 32 * half) as *const _
@@ -437,7 +453,7 @@ unsafe fn q6k<const R: usize>(
                         let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[j]);
                         acc[r] = _mm512_fmadd_ps(
                             _mm512_cvtepi32_ps(prod),
-                            _mm512_permutexvar_ps(group_index[j], s),
+                            _mm512_permutexvar_ps(group_index[j], s[r]),
                             acc[r],
                         );
                     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use shoal_kernels::QuantMatrix;
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
+mod decode_attention;
 mod ring;
 
 pub use ring::zigzag_pieces;
@@ -641,6 +642,11 @@ impl Model {
         let whole = pos..pos + t;
         let (q, k, v) = self.project_qkv(layer, x, std::slice::from_ref(&whole))?;
         let (k_all, v_all) = cache.append(layer.index, &k, &v)?;
+        if t == 1 && self.compute.device.is_cpu() && q.dtype() == DType::F32 {
+            let scale = 1.0 / (hd as f32).sqrt();
+            let out = decode_attention::decode_attention(&q, &k_all, &v_all, scale)?;
+            return self.finish_layer(layer, x, &out, links);
+        }
         // Grouped-query attention without copying K/V: the query heads of one KV group
         // are adjacent, so (nh, t, hd) is (nkv, group * t, hd).
         let g = c.group_size();
