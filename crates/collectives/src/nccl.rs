@@ -73,10 +73,104 @@ pub struct Communicator {
     epoch: Instant,
 }
 
+/// A communicator handle to move off the thread that made it.
+struct SendComm(sys::ncclComm_t);
+// SAFETY: the handle is only moved between threads here, never used from two at once.
+unsafe impl Send for SendComm {}
+
+/// Where the init thread and the waiting caller meet.
+enum InitState {
+    Waiting,
+    /// The caller gave up; the init thread aborts whatever it makes.
+    Abandoned,
+}
+
+/// `ncclCommInitRank` on a helper thread, waited for with a deadline. NCCL's bootstrap
+/// waits for every rank without a limit: a peer that died after the id was sent would
+/// hold this rank forever. Instead the caller gets an error when the group's link
+/// health reports a failure or when `deadline` passes, and the helper thread, should
+/// NCCL ever return, aborts the communicator nobody will use (the process normally
+/// exits on the error first).
+fn init_within(
+    stream: &Arc<CudaStream>,
+    id: sys::ncclUniqueId,
+    (rank, world): (usize, usize),
+    health: Health,
+    deadline: Duration,
+) -> Result<sys::ncclComm_t> {
+    let context = stream.context().clone();
+    let state = Arc::new(Mutex::new(InitState::Waiting));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let shared = Arc::clone(&state);
+    std::thread::Builder::new()
+        .name("shoal-nccl-init".into())
+        .spawn(move || {
+            let made = context
+                .bind_to_thread()
+                .map_err(|e| CollectiveError::Invalid(format!("CUDA context: {e}")))
+                .and_then(|()| {
+                    let mut comm = std::mem::MaybeUninit::uninit();
+                    // SAFETY: `comm` is written by NCCL before it is read; the id is the
+                    // one rank 0 made, the same on every rank.
+                    unsafe {
+                        result::comm_init_rank(comm.as_mut_ptr(), world as i32, id, rank as i32)
+                            .map_err(nccl_err("init"))?;
+                        Ok(SendComm(comm.assume_init()))
+                    }
+                });
+            let state = shared.lock().unwrap_or_else(|p| p.into_inner());
+            match (&*state, made) {
+                (InitState::Abandoned, Ok(comm)) => {
+                    // SAFETY: nobody else holds this communicator.
+                    let _ = unsafe { result::comm_abort(comm.0) };
+                }
+                (_, made) => {
+                    let _ = tx.send(made);
+                }
+            }
+        })
+        .map_err(|e| CollectiveError::Setup(format!("starting the NCCL init thread: {e}")))?;
+    let started = Instant::now();
+    let give_up = |why: String| -> CollectiveError {
+        let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+        *s = InitState::Abandoned;
+        // An answer that arrived in the meantime is aborted here, under the same lock.
+        if let Ok(Ok(comm)) = rx.try_recv() {
+            // SAFETY: nobody else holds this communicator.
+            let _ = unsafe { result::comm_abort(comm.0) };
+        }
+        CollectiveError::Setup(why)
+    };
+    loop {
+        match rx.recv_timeout(Duration::from_millis(20)) {
+            Ok(made) => return made.map(|c| c.0),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(CollectiveError::Setup(
+                    "the NCCL init thread ended without an answer".into(),
+                ));
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(why) = health.failure() {
+                    return Err(give_up(format!(
+                        "NCCL init abandoned: a link of the group failed ({why})"
+                    )));
+                }
+                if started.elapsed() >= deadline {
+                    return Err(give_up(format!(
+                        "NCCL init: not every rank joined within {deadline:?} (a peer may \
+                         have died or failed before its own init)"
+                    )));
+                }
+            }
+        }
+    }
+}
+
 impl Communicator {
     /// Joins the ranks of `group` into one NCCL communicator: rank 0 makes the id and
     /// sends it over the group; every rank then initialises its part on `stream`.
-    /// Every rank of the group must call this at the same point of its program.
+    /// Every rank of the group must call this at the same point of its program. The
+    /// init is bounded by the group's deadline and its links' health (`init_within`).
     pub fn join<T: Transport>(group: &mut Group<T>, stream: Arc<CudaStream>) -> Result<Self> {
         if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
             tracing::warn!("NCCL_NVLS_ENABLE is not set: NCCL may use NVLink multicast");
@@ -101,19 +195,13 @@ impl Communicator {
             .context()
             .bind_to_thread()
             .map_err(|e| CollectiveError::Invalid(format!("CUDA context: {e}")))?;
-        let mut comm = std::mem::MaybeUninit::uninit();
-        // SAFETY: `comm` is written by NCCL before it is read; the id is the one rank 0
-        // made, the same on every rank.
-        let comm = unsafe {
-            result::comm_init_rank(
-                comm.as_mut_ptr(),
-                world as i32,
-                sys::ncclUniqueId { internal },
-                rank as i32,
-            )
-            .map_err(nccl_err("init"))?;
-            comm.assume_init()
-        };
+        let comm = init_within(
+            &stream,
+            sys::ncclUniqueId { internal },
+            (rank, world),
+            group.health(),
+            group.deadline(),
+        )?;
         tracing::info!(rank, world, "NCCL communicator ready");
         Ok(Self {
             raw: Arc::new(Raw {

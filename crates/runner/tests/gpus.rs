@@ -122,6 +122,42 @@ fn tensor_parallel_logits_over_nccl_match_one_gpu() {
     }
 }
 
+/// A peer that takes the NCCL id and then never initialises (it died between the two)
+/// costs the other rank a clear error within the group's deadline, not a hang in NCCL's
+/// bootstrap, which itself waits without limit.
+#[test]
+fn nccl_init_without_its_peer_is_an_error_within_the_deadline() {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("skipped: {n} CUDA devices here");
+        return;
+    }
+    let deadline = Duration::from_secs(3);
+    let mut groups = local_group(2, deadline);
+    let mut silent = groups.pop().expect("rank 1");
+    let mut lead = groups.pop().expect("rank 0");
+    let peer = thread::spawn(move || {
+        // Take the id as `join` would, then never initialise.
+        let mut id = Vec::new();
+        silent.broadcast(0, &mut id).expect("id");
+        thread::sleep(3 * deadline);
+        drop(silent);
+    });
+    let device = Device::new_cuda(0).expect("device");
+    let start = Instant::now();
+    let err = shoal_runner::nccl::join(&mut lead, &device)
+        .err()
+        .expect("an error, not a communicator");
+    let waited = start.elapsed();
+    println!("NCCL init without its peer: {err} (after {waited:?})");
+    assert!(
+        waited < deadline + Duration::from_secs(2),
+        "waited {waited:?}"
+    );
+    assert!(err.to_string().contains("NCCL init"), "{err}");
+    peer.join().expect("peer");
+}
+
 /// The all-reduce of one layer's partial output, at the hidden sizes of an 8B and a 70B
 /// Llama, for one token (decode) and 512 (prefill): microseconds per all-reduce.
 #[test]
