@@ -53,6 +53,12 @@ pub(crate) fn supported() -> bool {
     })
 }
 
+#[cfg(not(target_os = "linux"))]
+fn request_tile_permission() -> bool {
+    false // only Linux's arch_prctl is known to grant it
+}
+
+#[cfg(target_os = "linux")]
 fn request_tile_permission() -> bool {
     const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
     const XFEATURE_XTILEDATA: libc::c_long = 18;
