@@ -25,6 +25,18 @@ const AHEAD: usize = 1024;
 /// four rows on): short rows end before a prefetch 1 KiB ahead reaches new memory.
 const NEXT_PASS_BYTES: usize = 32 << 10;
 
+/// How far ahead of a block the decode kernels prefetch its row, for rows of
+/// `row_bytes`: the next pass (the caller's passes take `fused::ROWS` consecutive rows)
+/// when a pass is short, else [`AHEAD`] within the row.
+pub(crate) fn prefetch_distance(row_bytes: usize) -> usize {
+    let pass_bytes = crate::fused::ROWS * row_bytes;
+    if pass_bytes <= NEXT_PASS_BYTES {
+        pass_bytes
+    } else {
+        AHEAD
+    }
+}
+
 /// `Σ w·x` of up to four packed rows (`rows[..n]`) and one quantized activation row (as
 /// in `fused`), into `out[..n]`.
 ///
@@ -66,13 +78,7 @@ unsafe fn dot_n<const R: usize>(
 ) {
     let mut acc = [_mm512_setzero_ps(); R];
     let mut bias = [_mm512_setzero_ps(); R];
-    // The caller's passes take `fused::ROWS` consecutive rows each.
-    let pass_bytes = crate::fused::ROWS * ty.row_bytes(xq.len());
-    let ahead = if pass_bytes <= NEXT_PASS_BYTES {
-        pass_bytes
-    } else {
-        AHEAD
-    };
+    let ahead = prefetch_distance(ty.row_bytes(xq.len()));
     let input = Input {
         rows: std::array::from_fn(|r| rows[r].as_ptr()),
         x: xq.as_ptr() as *const u8,
