@@ -125,8 +125,9 @@ macro_rules! fused_dot {
                 let bb = ty.block_bytes();
                 let blocks = rows[0].len() / bb;
                 // The K-quants prefetch the next pass when it is short (qwen-1.5b on AVX2,
-                // one thread: 4.1 -> 6.0 tok/s); the 32-weight types measured slower with
-                // it (smollm2: 38 -> 30) and keep prefetching AHEAD bytes on.
+                // one thread, interleaved: 3.4–4.2 -> 4.1–5.1 tok/s); the 32-weight types
+                // measured slower with it (smollm2: 38–45 -> 26–30) and keep prefetching
+                // AHEAD bytes on.
                 let ahead_k = crate::wide::prefetch_distance(rows[0].len());
                 // A block type of 32 weights with one scale and bias: `decode(block)` gives
                 // (q, scale, bias).

@@ -341,7 +341,6 @@ pub fn matmul_many_with(
             first += w.rows;
         }
     });
-    let _ = isa;
     Ok(())
 }
 

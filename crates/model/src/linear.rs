@@ -169,8 +169,8 @@ impl QLinear {
     }
 
     /// Several projections of the same input (`x`: `(.., in_features)` f32), one output
-    /// each. A single token through shoal's kernels is one kernel call for all of them (one
-    /// activation quantization, one hand-out to the threads); anything else is one
+    /// each. When shoal's kernels hold them all, one `matmul_many` call (for a single
+    /// token: one activation quantization, one hand-out to the threads); otherwise one
     /// [`QLinear::forward`] each.
     pub fn forward_many(linears: &[&QLinear], x: &Tensor) -> Result<Vec<Tensor>> {
         let mut dims = x.dims().to_vec();
@@ -183,11 +183,14 @@ impl QLinear {
                 _ => None,
             })
             .collect();
-        let Some(matrices) = matrices.filter(|_| t == 1 && x.dtype() == DType::F32) else {
+        let Some(matrices) = matrices.filter(|_| x.dtype() == DType::F32) else {
             return linears.iter().map(|l| l.forward(x)).collect();
         };
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let mut outs: Vec<Vec<f32>> = linears.iter().map(|l| vec![0f32; l.out_features]).collect();
+        let mut outs: Vec<Vec<f32>> = linears
+            .iter()
+            .map(|l| vec![0f32; t * l.out_features])
+            .collect();
         let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
         shoal_kernels::matmul_many(&matrices, &xs, t, &mut views)
             .map_err(|e| ModelError::Invalid(e.to_string()))?;
@@ -197,13 +200,16 @@ impl QLinear {
             .map(|(l, out)| {
                 let mut shape = dims.clone();
                 shape.push(l.out_features);
-                let y = Tensor::from_vec(out, shape, &Device::Cpu)?;
-                Ok(match &l.bias {
-                    Some(b) => y.broadcast_add(b)?,
-                    None => y,
-                })
+                l.add_bias(Tensor::from_vec(out, shape, &Device::Cpu)?)
             })
             .collect()
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
     }
 
     /// `x`: `(.., in_features)` f32; returns `(.., out_features)`.
@@ -232,9 +238,6 @@ impl QLinear {
                 Tensor::from_vec(out, dims, &Device::Cpu)?
             }
         };
-        Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
-        })
+        self.add_bias(y)
     }
 }

@@ -20,6 +20,16 @@ use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
 use shoal_model::{Architecture, Compute, GgufFile, LoadSpec, Model};
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
 
+/// The GPUs here when there are at least two; otherwise says the test is skipped.
+fn two_or_more_gpus() -> Option<usize> {
+    let n = gpus();
+    if n < 2 {
+        eprintln!("skipped: {n} CUDA devices here, NCCL needs 2");
+        return None;
+    }
+    Some(n)
+}
+
 fn gpus() -> usize {
     // SAFETY: set before any thread starts; NVLink multicast stays off (docs/GPU.md).
     unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
@@ -81,11 +91,9 @@ fn tensor_parallel(path: &std::path::Path, world: usize, forced: &[u32]) -> (Tra
 
 #[test]
 fn tensor_parallel_logits_over_nccl_match_one_gpu() {
-    let n = gpus();
-    if n < 2 {
-        eprintln!("skipped: {n} CUDA devices here, NCCL tensor parallelism needs 2");
+    let Some(n) = two_or_more_gpus() else {
         return;
-    }
+    };
     let dir = std::env::temp_dir().join(format!("shoal-gpus-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     for arch in [
@@ -127,9 +135,7 @@ fn tensor_parallel_logits_over_nccl_match_one_gpu() {
 /// bootstrap, which itself waits without limit.
 #[test]
 fn nccl_init_without_its_peer_is_an_error_within_the_deadline() {
-    let n = gpus();
-    if n < 2 {
-        eprintln!("skipped: {n} CUDA devices here");
+    if two_or_more_gpus().is_none() {
         return;
     }
     let deadline = Duration::from_secs(3);
@@ -163,11 +169,9 @@ fn nccl_init_without_its_peer_is_an_error_within_the_deadline() {
 #[test]
 #[ignore = "a benchmark: prints numbers"]
 fn nccl_all_reduce_time() {
-    let n = gpus();
-    if n < 2 {
-        eprintln!("skipped: {n} CUDA devices here");
+    let Some(n) = two_or_more_gpus() else {
         return;
-    }
+    };
     for world in [2, 4, 8].into_iter().filter(|&w| w <= n) {
         let groups = local_group(world, Duration::from_secs(60));
         let handles: Vec<_> = groups
