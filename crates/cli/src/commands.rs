@@ -161,6 +161,10 @@ struct RankArgs {
     /// Where this rank computes: `cpu` or `cuda:N`.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// A listening socket inherited from the node (its port is this rank's address):
+    /// the node bound it, so no other process can take the port in between.
+    #[arg(long)]
+    listen_fd: Option<i32>,
 }
 
 #[derive(Args, Debug)]
@@ -441,8 +445,14 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         .addrs
         .get(args.rank)
         .with_context(|| format!("rank {} of {world} addresses", args.rank))?;
-    let listener =
-        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+    let listener = match args.listen_fd {
+        // SAFETY: the node passed this descriptor for this process to own; nothing else
+        // in the process uses it.
+        Some(fd) => unsafe { <std::net::TcpListener as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+        None => {
+            std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?
+        }
+    };
     let transport = TcpTransport::connect(
         &TcpConfig::new(args.rank, args.addrs.clone(), token),
         listener,
@@ -757,9 +767,9 @@ fn status(node: &str, json: bool) -> Result<()> {
                 .as_u64()
                 .map_or(String::new(), |g| format!(" GPU {g}"));
             println!(
-                "    rank {r}: {}{on}  {}  {}",
+                "    rank {r}: {}{on}  port {}  {}",
                 s(&slot["node"]),
-                s(&slot["addr"]),
+                slot["port"].as_u64().map_or("-".into(), |p| p.to_string()),
                 slot["status"]
             );
         }
@@ -826,6 +836,10 @@ fn place(
     Ok(())
 }
 
+/// A node that sends nothing for this long (not even its one-second keepalive) has
+/// lost the connection or froze.
+const NODE_SILENCE: Duration = Duration::from_secs(8);
+
 fn run_remote(node: &str, args: &RunArgs) -> Result<()> {
     let model = &args.model.model;
     let body = serde_json::json!({
@@ -836,53 +850,63 @@ fn run_remote(node: &str, args: &RunArgs) -> Result<()> {
         "temperature": args.temperature,
         "seed": args.seed,
     });
-    let mut target = node.to_string();
-    for _ in 0..4 {
-        let url = format!("http://{target}/v1/run");
-        let resp = agent()
-            .post(&url)
-            .send_json(&body)
-            .with_context(|| format!("cannot reach the node at {target}"))?;
-        let status = resp.status().as_u16();
-        if status == 307 {
-            let loc = resp
-                .headers()
-                .get("location")
-                .and_then(|l| l.to_str().ok())
-                .context("a redirect without a location")?;
-            target = loc
-                .trim_start_matches("http://")
-                .trim_end_matches("/v1/run")
-                .to_string();
-            continue;
-        }
-        if status != 200 {
-            let text = resp.into_body().read_to_string().unwrap_or_default();
-            return Err(node_error(status, &text));
-        }
-        let mut reader = resp.into_body().into_reader();
-        let mut out = std::io::stdout().lock();
-        let mut buf = [0u8; 4096];
-        loop {
-            let n =
-                std::io::Read::read(&mut reader, &mut buf).context("the answer's stream broke")?;
-            if n == 0 {
-                break;
-            }
-            let chunk = &buf[..n];
-            if let Some(at) = chunk.iter().position(|&b| b == 0) {
-                out.write_all(&chunk[..at])?;
-                let rest = String::from_utf8_lossy(&chunk[at + 1..]).to_string();
-                writeln!(out)?;
-                bail!("{}", rest.trim_start_matches("error: "));
-            }
-            out.write_all(chunk)?;
-            out.flush()?;
-        }
-        writeln!(out)?;
-        return Ok(());
+    let url = format!("http://{node}/v1/run");
+    let resp = agent()
+        .post(&url)
+        .send_json(&body)
+        .with_context(|| format!("cannot reach the node at {node}"))?;
+    let status = resp.status().as_u16();
+    if status != 200 {
+        let text = resp.into_body().read_to_string().unwrap_or_default();
+        return Err(node_error(status, &text));
     }
-    bail!("too many redirects")
+    // Lines are read on a thread of their own so that a silent connection (a cut cable
+    // sends nothing, not even an end) is noticed here with a deadline.
+    let reader = std::io::BufReader::new(resp.into_body().into_reader());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(reader) {
+            let failed = line.is_err();
+            if tx.send(line).is_err() || failed {
+                return;
+            }
+        }
+    });
+    let mut out = std::io::stdout().lock();
+    loop {
+        let line = match rx.recv_timeout(NODE_SILENCE) {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                writeln!(out)?;
+                bail!("the answer's stream from {node} broke: {e}");
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                writeln!(out)?;
+                bail!(
+                    "no word from the node at {node} for {NODE_SILENCE:?}: the connection is cut or the node froze"
+                );
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                writeln!(out)?;
+                bail!("the node at {node} ended the stream before the answer was complete");
+            }
+        };
+        if line.trim().is_empty() {
+            continue; // keepalive
+        }
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .with_context(|| format!("the node sent a line that is not JSON: {line:?}"))?;
+        if let Some(t) = v.get("text").and_then(|t| t.as_str()) {
+            out.write_all(t.as_bytes())?;
+            out.flush()?;
+        } else if v.get("done").is_some() {
+            writeln!(out)?;
+            return Ok(());
+        } else if let Some(e) = v.get("error") {
+            writeln!(out)?;
+            bail!("{}", e.as_str().unwrap_or("the answer failed"));
+        }
+    }
 }
 
 fn run_prompt(args: RunArgs) -> Result<()> {

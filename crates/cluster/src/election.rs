@@ -27,11 +27,18 @@ pub fn master_of(alive: &BTreeSet<NodeId>) -> Option<&NodeId> {
     alive.iter().next_back()
 }
 
-/// The decision of node `me`, currently `leading` or not, having seen terms up to
-/// `highest_term`.
-pub fn decide(me: &NodeId, leading: bool, highest_term: u64, alive: &BTreeSet<NodeId>) -> Decision {
+/// The decision of node `me`, leading with term `leading` (or not leading), having seen
+/// terms up to `highest_term`. A master that hears of a later term than its own (another
+/// side of a partition elected one while they were apart) leads again with a term above
+/// it, so that its snapshot replaces the other side's state everywhere.
+pub fn decide(
+    me: &NodeId,
+    leading: Option<u64>,
+    highest_term: u64,
+    alive: &BTreeSet<NodeId>,
+) -> Decision {
     match master_of(alive) {
-        Some(m) if m == me && leading => Decision::KeepLeading,
+        Some(m) if m == me && leading.is_some_and(|t| t >= highest_term) => Decision::KeepLeading,
         Some(m) if m == me => Decision::Lead {
             term: highest_term + 1,
         },
@@ -66,27 +73,35 @@ mod tests {
     fn the_highest_live_id_leads_and_takes_a_new_term() {
         let alive = set(&["a", "c", "b"]);
         assert_eq!(
-            decide(&"c".into(), false, 4, &alive),
+            decide(&"c".into(), None, 4, &alive),
             Decision::Lead { term: 5 }
         );
-        assert_eq!(decide(&"c".into(), true, 5, &alive), Decision::KeepLeading);
         assert_eq!(
-            decide(&"a".into(), false, 5, &alive),
+            decide(&"c".into(), Some(5), 5, &alive),
+            Decision::KeepLeading
+        );
+        // A partition healed: the other side's master took term 7 meanwhile.
+        assert_eq!(
+            decide(&"c".into(), Some(5), 7, &alive),
+            Decision::Lead { term: 8 }
+        );
+        assert_eq!(
+            decide(&"a".into(), None, 5, &alive),
             Decision::Follow("c".into())
         );
         // c dies: b takes over with a higher term.
         let alive = set(&["a", "b"]);
         assert_eq!(
-            decide(&"b".into(), false, 5, &alive),
+            decide(&"b".into(), None, 5, &alive),
             Decision::Lead { term: 6 }
         );
         assert_eq!(
-            decide(&"a".into(), false, 6, &alive),
+            decide(&"a".into(), None, 6, &alive),
             Decision::Follow("b".into())
         );
         // A lone node leads itself.
         assert_eq!(
-            decide(&"z".into(), false, 0, &set(&["z"])),
+            decide(&"z".into(), None, 0, &set(&["z"])),
             Decision::Lead { term: 1 }
         );
     }

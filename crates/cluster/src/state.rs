@@ -133,8 +133,10 @@ pub struct RankSlot {
     /// The GPU of the node this rank computes on (`None`: the CPU).
     #[serde(default)]
     pub gpu: Option<u32>,
-    /// Where this rank listens for its peers, once its node has opened the port.
-    pub addr: Option<String>,
+    /// The port this rank listens on for its peers, once its node has opened it. Only
+    /// the port is shared: each node dials a peer's rank at the address it reaches that
+    /// peer's node at, so every node sees an address that works from where it is.
+    pub port: Option<u16>,
     pub status: RunnerStatus,
 }
 
@@ -180,10 +182,10 @@ pub enum Event {
         instance: Instance,
     },
     /// A rank's node opened its port.
-    RankAddr {
+    RankPort {
         instance: String,
         rank: usize,
-        addr: String,
+        port: u16,
     },
     RankStatus {
         instance: String,
@@ -248,17 +250,17 @@ pub fn apply(state: &ClusterState, e: &Indexed) -> ClusterState {
         Event::InstancePlaced { instance } => {
             s.instances.insert(instance.id.clone(), instance.clone());
         }
-        Event::RankAddr {
+        Event::RankPort {
             instance,
             rank,
-            addr,
+            port,
         } => {
             if let Some(slot) = s
                 .instances
                 .get_mut(instance)
                 .and_then(|i| i.ranks.get_mut(*rank))
             {
-                slot.addr = Some(addr.clone());
+                slot.port = Some(*port);
             }
         }
         Event::RankStatus {
@@ -319,7 +321,7 @@ mod tests {
                 .map(|n| RankSlot {
                     node: n.to_string(),
                     gpu: None,
-                    addr: None,
+                    port: None,
                     status: RunnerStatus::Idle,
                 })
                 .collect(),
@@ -379,10 +381,10 @@ mod tests {
     #[test]
     fn events_about_unknown_things_change_only_the_index() {
         let s = run(vec![
-            Event::RankAddr {
+            Event::RankPort {
                 instance: "gone".into(),
                 rank: 3,
-                addr: "x".into(),
+                port: 5,
             },
             Event::RankStatus {
                 instance: "gone".into(),
@@ -405,10 +407,10 @@ mod tests {
             Event::InstancePlaced {
                 instance: instance("i", &["a"]),
             },
-            Event::RankAddr {
+            Event::RankPort {
                 instance: "i".into(),
                 rank: 0,
-                addr: "127.0.0.1:5".into(),
+                port: 5,
             },
         ];
         let a = run(events.clone());

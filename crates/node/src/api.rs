@@ -1,10 +1,15 @@
 //! The node's control HTTP API: `GET /v1/status`, `POST /v1/place`, `POST /v1/run`.
 //!
 //! Handlers never touch the node's state: they send a call to the node's loop and wait
-//! (with a deadline) for its answer. `/v1/run` streams the answer as plain text; a
-//! failure after the first byte ends the stream with a NUL byte and `error: …`, which
-//! `shoal run --node` shows as an error. A request for a model whose rank 0 lives on
-//! another node is redirected there (307 keeps the method and body).
+//! (with a deadline) for its answer. A request for a model whose rank 0 lives on another
+//! node is forwarded there over the cluster's link ([`crate::forward`]); the client
+//! never needs to reach any node but this one.
+//!
+//! `/v1/run` streams the answer as JSON lines: `{"text": …}` per piece, then
+//! `{"done": true}`. An empty line is a keepalive, sent after a second of quiet, so a
+//! client can give up on a silent connection. A failure after the first piece writes
+//! `{"error": …}` and then breaks the HTTP body off (no closing chunk), so even a
+//! client that reads no JSON sees a failed transfer, never a finished answer.
 
 use std::time::Duration;
 
@@ -20,16 +25,28 @@ use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::daemon::{ApiCall, Route};
-use crate::supervisor::Job;
+use crate::supervisor::{Job, Piece};
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
+/// A keepalive line after this much quiet on an answer's stream.
+const KEEPALIVE: Duration = Duration::from_secs(1);
 
-pub async fn serve(listener: tokio::net::TcpListener, calls: mpsc::Sender<ApiCall>) {
+#[derive(Clone)]
+struct Api {
+    calls: mpsc::Sender<ApiCall>,
+    streams: libp2p_stream::Control,
+}
+
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    calls: mpsc::Sender<ApiCall>,
+    streams: libp2p_stream::Control,
+) {
     let app = Router::new()
         .route("/v1/status", get(status))
         .route("/v1/place", post(place))
         .route("/v1/run", post(run))
-        .with_state(calls);
+        .with_state(Api { calls, streams });
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
     }
@@ -61,8 +78,8 @@ async fn ask<T>(
     }
 }
 
-async fn status(State(calls): State<mpsc::Sender<ApiCall>>) -> Response {
-    match ask(&calls, ApiCall::Status).await {
+async fn status(State(api): State<Api>) -> Response {
+    match ask(&api.calls, ApiCall::Status).await {
         Ok(v) => Json(v).into_response(),
         Err(r) => r,
     }
@@ -79,7 +96,7 @@ struct PlaceBody {
 }
 
 async fn place(
-    State(calls): State<mpsc::Sender<ApiCall>>,
+    State(api): State<Api>,
     body: Result<Json<PlaceBody>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
     let Json(b) = match body {
@@ -90,7 +107,7 @@ async fn place(
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
-    let r = ask(&calls, |reply| ApiCall::Place {
+    let r = ask(&api.calls, |reply| ApiCall::Place {
         model: b.model,
         strategy,
         nodes: b.nodes,
@@ -107,7 +124,7 @@ async fn place(
 }
 
 async fn run(
-    State(calls): State<mpsc::Sender<ApiCall>>,
+    State(api): State<Api>,
     body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
     let Json(body) = match body {
@@ -124,46 +141,98 @@ async fn run(
         .get("model")
         .and_then(Value::as_str)
         .map(str::to_string);
-    let route = match ask(&calls, |reply| ApiCall::Route { model, reply }).await {
-        Ok(Ok(r)) => r,
+    let route = ask(&api.calls, |reply| ApiCall::Route {
+        model,
+        local_only: false,
+        reply,
+    })
+    .await;
+    let mut rx = match route {
+        Ok(Ok(Route::Local(jobs))) => {
+            let (tx, rx) = mpsc::channel(256);
+            if jobs.send(Job { body, reply: tx }).await.is_err() {
+                return error(StatusCode::SERVICE_UNAVAILABLE, "rank 0's runner is gone");
+            }
+            rx
+        }
+        Ok(Ok(Route::Remote(peer))) => crate::forward::forward(api.streams.clone(), peer, body),
         Ok(Err(why)) => return error(StatusCode::SERVICE_UNAVAILABLE, why),
         Err(r) => return r,
     };
-    let jobs = match route {
-        Route::Remote(http) => {
-            return (
-                StatusCode::TEMPORARY_REDIRECT,
-                [(header::LOCATION, format!("http://{http}/v1/run"))],
-            )
-                .into_response();
-        }
-        Route::Local(jobs) => jobs,
-    };
-    let (tx, mut rx) = mpsc::channel(256);
-    if jobs.send(Job { body, reply: tx }).await.is_err() {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "rank 0's runner is gone");
-    }
     // The first piece decides the status code.
     let first = match rx.recv().await {
-        Some(Ok(piece)) => Some(piece),
-        Some(Err(why)) => return error(StatusCode::BAD_GATEWAY, why),
-        None => None,
+        Some(Piece::Error(why)) => return error(StatusCode::BAD_GATEWAY, why),
+        None => {
+            return error(
+                StatusCode::BAD_GATEWAY,
+                "rank 0's runner stopped before answering",
+            );
+        }
+        Some(p) => p,
     };
-    let stream = futures::stream::unfold((first, rx, false), |(first, mut rx, ended)| async move {
-        if ended {
-            return None;
-        }
-        if let Some(p) = first {
-            return Some((Ok::<_, std::io::Error>(Bytes::from(p)), (None, rx, false)));
-        }
-        match rx.recv().await {
-            Some(Ok(p)) => Some((Ok(Bytes::from(p)), (None, rx, false))),
-            Some(Err(why)) => Some((Ok(Bytes::from(format!("\0error: {why}"))), (None, rx, true))),
-            None => None,
-        }
-    });
     Response::builder()
-        .header(header::CONTENT_TYPE, "text/plain; charset=utf-8")
-        .body(Body::from_stream(stream))
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(Body::from_stream(answer_lines(first, rx)))
         .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
+}
+
+/// What the body does after a piece.
+enum Next {
+    Line(Bytes),
+    /// The error line, then the body is broken off.
+    Fail(Bytes),
+    End,
+}
+
+fn line(v: Value) -> Bytes {
+    Bytes::from(format!("{v}\n"))
+}
+
+fn next(piece: Option<Piece>) -> Next {
+    match piece {
+        Some(Piece::Text(t)) => Next::Line(line(json!({ "text": t }))),
+        Some(Piece::Keepalive) => Next::Line(Bytes::from_static(b"\n")),
+        Some(Piece::Done) => Next::End,
+        Some(Piece::Error(why)) => Next::Fail(line(json!({ "error": why }))),
+        None => Next::Fail(line(json!({
+            "error": "rank 0's runner stopped before the answer ended"
+        }))),
+    }
+}
+
+/// The answer as JSON lines, with keepalives; see the module's comment for how it ends.
+fn answer_lines(
+    first: Piece,
+    rx: mpsc::Receiver<Piece>,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    enum At {
+        First(Piece),
+        Streaming,
+        Failed,
+        Over,
+    }
+    futures::stream::unfold((At::First(first), rx), |(at, mut rx)| async move {
+        let piece = match at {
+            At::Over => return None,
+            At::Failed => {
+                // A pause first, so the error line leaves hyper's buffer before the body
+                // is broken off (an error drops the connection with what is unsent).
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return Some((
+                    Err(std::io::Error::other("the answer failed")),
+                    (At::Over, rx),
+                ));
+            }
+            At::First(p) => Some(p),
+            At::Streaming => match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+                Ok(p) => p,
+                Err(_) => Some(Piece::Keepalive),
+            },
+        };
+        match next(piece) {
+            Next::Line(b) => Some((Ok(b), (At::Streaming, rx))),
+            Next::Fail(b) => Some((Ok(b), (At::Failed, rx))),
+            Next::End => Some((Ok(line(json!({ "done": true }))), (At::Over, rx))),
+        }
+    })
 }

@@ -8,12 +8,17 @@
 //!   replica's apply, the worker's plan carried out.
 //! - [`supervisor`]: runner processes, their control sockets, heartbeats and watchdog.
 //! - [`api`]: the control HTTP API (`shoal status`, `shoal place`, `shoal run --node`).
+//! - [`forward`]: a request taken by a node without rank 0, answered by the node that
+//!   has it over the cluster's link.
+//! - [`gpu`]: this machine's GPUs.
 //!
 //! The loop never waits on a runner, a peer or a socket: every such wait happens in a
 //! task of its own that reports back through a channel, with a deadline.
 
 pub mod api;
 pub mod daemon;
+pub mod forward;
+pub mod gpu;
 pub mod keys;
 pub mod p2p;
 pub mod supervisor;

@@ -3,11 +3,16 @@
 //! Transport: TCP, then the private-network handshake with the cluster key (pnet: a node
 //! without the key cannot get past the first bytes), then Noise (authenticated by node
 //! keys), then yamux. Behaviours: gossipsub (topics `heartbeat`, `commands`, `events`),
-//! request-response (catch-up, placement, model file chunks), mDNS (optional).
+//! request-response (catch-up, placement, link probes), streams (a forwarded request
+//! and its answer, a model file), mDNS (optional).
+//!
+//! A stream starts with one JSON line (the request) and goes on in JSON lines (a
+//! forwarded answer's [`Piece`]s) or raw bytes (a model file after its [`FileHeader`]).
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use futures::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use libp2p::core::muxing::StreamMuxerBox;
 use libp2p::core::transport::upgrade::Version;
 use libp2p::gossipsub::{self, IdentTopic, MessageAuthenticity};
@@ -17,6 +22,7 @@ use libp2p::request_response::{self, ProtocolSupport};
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::{Multiaddr, StreamProtocol, Swarm, Transport, mdns, noise, tcp, yamux};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::{
     ClusterState, Indexed, Instance, NodeId, NodeInfo, PlaceRequest, RunnerStatus,
@@ -25,6 +31,12 @@ use shoal_cluster::{
 pub const HEARTBEAT_TOPIC: &str = "shoal/heartbeat/1";
 pub const COMMANDS_TOPIC: &str = "shoal/commands/1";
 pub const EVENTS_TOPIC: &str = "shoal/events/1";
+/// A request forwarded to the node that holds rank 0, and its answer.
+pub const GENERATE: StreamProtocol = StreamProtocol::new("/shoal/generate/1");
+/// A model file copied from a node that has it.
+pub const MODEL_FILE: StreamProtocol = StreamProtocol::new("/shoal/model-file/1");
+/// The longest line a stream may carry.
+const MAX_LINE: u64 = 16 << 20;
 
 /// Every node, every heartbeat interval.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -39,10 +51,10 @@ pub struct Heartbeat {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Command {
     Report(NodeInfo),
-    RankAddr {
+    RankPort {
         instance: String,
         rank: usize,
-        addr: String,
+        port: u16,
     },
     RankStatus {
         instance: String,
@@ -69,12 +81,6 @@ pub enum Request {
     CatchUp,
     /// Create an instance (sent to the master).
     Place(PlaceRequest),
-    /// `len` bytes of model `model`'s file from `offset`.
-    Chunk {
-        model: String,
-        offset: u64,
-        len: u64,
-    },
     /// A link probe: echoed back empty (the payload measures bandwidth).
     Probe {
         #[serde(with = "serde_bytes")]
@@ -84,25 +90,74 @@ pub enum Request {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Response {
-    Snapshot {
-        term: u64,
-        state: ClusterState,
-    },
+    Snapshot { term: u64, state: ClusterState },
     Placed(Instance),
     Refused(String),
-    Chunk {
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
-        total: u64,
-    },
     Probe,
     Error(String),
+}
+
+/// The first line of a model-file stream.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct FileRequest {
+    pub model: String,
+    /// Bytes the asking node already has.
+    pub offset: u64,
+}
+
+/// The serving node's answer; the file's bytes from the offset follow `Sending`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum FileHeader {
+    Sending { total: u64 },
+    Refused(String),
+}
+
+/// The first line of a generate stream: the request as the node's API took it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Forward {
+    pub body: serde_json::Value,
+}
+
+/// Writes `msg` as one JSON line.
+pub async fn write_line<T: Serialize, W: futures::AsyncWrite + Unpin>(
+    stream: &mut W,
+    msg: &T,
+) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(msg).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    stream.write_all(&line).await?;
+    stream.flush().await
+}
+
+/// Reads one JSON line, waiting at most `deadline`. The reader is buffered for the
+/// stream's whole life: what follows the line stays in its buffer.
+pub async fn read_line<T: DeserializeOwned, R: futures::AsyncBufRead + Unpin>(
+    reader: &mut R,
+    deadline: Duration,
+) -> std::io::Result<T> {
+    let mut line = Vec::new();
+    let read = async {
+        let mut limited = reader.take(MAX_LINE);
+        limited.read_until(b'\n', &mut line).await
+    };
+    let n = tokio::time::timeout(deadline, read)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no line in time"))??;
+    if n == 0 || line.last() != Some(&b'\n') {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "the stream ended inside a line",
+        ));
+    }
+    serde_json::from_slice(&line)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 #[derive(NetworkBehaviour)]
 pub struct Behaviour {
     pub gossip: gossipsub::Behaviour,
     pub rpc: request_response::cbor::Behaviour<Request, Response>,
+    pub streams: libp2p_stream::Behaviour,
     pub mdns: Toggle<mdns::tokio::Behaviour>,
 }
 
@@ -152,6 +207,7 @@ pub fn build(key: Keypair, cluster_key: [u8; 32], mdns_on: bool) -> Result<Swarm
                 Ok(Behaviour {
                     gossip,
                     rpc,
+                    streams: libp2p_stream::Behaviour::new(),
                     mdns: Toggle::from(mdns),
                 })
             },

@@ -9,12 +9,17 @@
 //! that has a request in hand but sends nothing for the stall timeout, is killed; its
 //! request ends at once with an error, and the node reports the rank failed. Every
 //! report goes through one channel to the node's loop, in order.
+//!
+//! A request's answer is a sequence of [`Piece`]s that ends in `Done` or `Error`; a
+//! channel that closes before either (the runner was stopped) is an answer cut short,
+//! and whoever reads it says so.
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use shoal_cluster::RunnerStatus;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -26,7 +31,7 @@ use tokio::time::Instant;
 pub type Key = (String, usize);
 
 /// How to start a runner.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct RunnerSpec {
     pub instance: String,
     pub rank: usize,
@@ -42,13 +47,28 @@ pub struct RunnerSpec {
     pub stall_timeout: Duration,
     /// `cpu` or `cuda:N`.
     pub device: String,
+    /// The rank's port, bound by the node when it reported it; the runner inherits the
+    /// socket, so no other process can take the port in between.
+    pub listener: Option<std::net::TcpListener>,
 }
 
-/// One request for rank 0 and where its answer goes (`Ok(piece)` per piece, then the
-/// channel closes; `Err` once on failure).
+/// One piece of an answer, as the node's API and a forwarding peer see it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Piece {
+    Text(String),
+    /// The answer is complete.
+    Done,
+    /// The answer failed; nothing follows.
+    Error(String),
+    /// Nothing new, but the sender is alive (streams between nodes, when idle).
+    Keepalive,
+}
+
+/// One request for rank 0 and where its answer goes.
 pub struct Job {
     pub body: Value,
-    pub reply: mpsc::Sender<Result<String, String>>,
+    pub reply: mpsc::Sender<Piece>,
 }
 
 /// What a runner's task reports to the node.
@@ -78,7 +98,7 @@ const CONNECT: Duration = Duration::from_secs(30);
 
 /// Starts a runner and its supervising task.
 pub fn start(
-    spec: RunnerSpec,
+    mut spec: RunnerSpec,
     reports: mpsc::Sender<RunnerReport>,
 ) -> std::io::Result<RunnerHandle> {
     std::fs::create_dir_all(&spec.socket_dir)?;
@@ -109,7 +129,25 @@ pub fn start(
     if let Some(t) = spec.threads {
         cmd.arg("--threads").arg(t.to_string());
     }
+    let rank_listener = spec.listener.take();
+    if let Some(l) = &rank_listener {
+        use std::os::fd::AsRawFd;
+        let fd = l.as_raw_fd();
+        cmd.arg("--listen-fd").arg(fd.to_string());
+        // SAFETY: between fork and exec only fcntl runs, which is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     let child = cmd.spawn()?;
+    // The runner has its own copy of the socket now.
+    drop(rank_listener);
     let (jobs, job_rx) = mpsc::channel(64);
     let task = tokio::spawn(supervise(spec, child, listener, job_rx, reports));
     Ok(RunnerHandle { jobs, task })
@@ -160,7 +198,7 @@ async fn supervise(
             if let Err(e) = write.write_all(line.as_bytes()).await {
                 let _ = job
                     .reply
-                    .send(Err(format!("runner unreachable: {e}")))
+                    .send(Piece::Error(format!("runner unreachable: {e}")))
                     .await;
             } else {
                 last_progress = Instant::now();
@@ -194,14 +232,16 @@ async fn supervise(
                 } else if let Some(t) = v.get("text").and_then(Value::as_str) {
                     last_progress = Instant::now();
                     if let Some(job) = &current {
-                        let _ = job.reply.send(Ok(t.to_string())).await;
+                        let _ = job.reply.send(Piece::Text(t.to_string())).await;
                     }
                 } else if v.get("done").is_some() {
-                    current = None;
+                    if let Some(job) = current.take() {
+                        let _ = job.reply.send(Piece::Done).await;
+                    }
                 } else if let Some(e) = v.get("error")
                     && let Some(job) = current.take()
                 {
-                    let _ = job.reply.send(Err(e.as_str().unwrap_or("error").to_string())).await;
+                    let _ = job.reply.send(Piece::Error(e.as_str().unwrap_or("error").to_string())).await;
                 }
             }
             job = jobs.recv() => match job {
@@ -235,7 +275,7 @@ fn describe(status: std::io::Result<std::process::ExitStatus>) -> String {
 
 async fn fail_jobs(current: Option<Job>, queue: &mut VecDeque<Job>, why: &str) {
     for job in current.into_iter().chain(queue.drain(..)) {
-        let _ = job.reply.send(Err(why.to_string())).await;
+        let _ = job.reply.send(Piece::Error(why.to_string())).await;
     }
 }
 

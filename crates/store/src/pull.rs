@@ -43,6 +43,15 @@ impl Store {
     /// Installs `card`'s model and returns its path. Already installed models are left
     /// as they are.
     pub fn pull(&self, card: &ModelCard) -> Result<PathBuf> {
+        self.pull_with_progress(card, &|_, _| {})
+    }
+
+    /// [`Store::pull`], telling `progress(bytes, total)` as the file is written.
+    pub fn pull_with_progress(
+        &self,
+        card: &ModelCard,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<PathBuf> {
         let target = self.model_path(card);
         if self.is_installed(card) {
             return Ok(target);
@@ -56,7 +65,7 @@ impl Store {
             .join(format!("pull-{}-{}", card.name, std::process::id()));
         std::fs::create_dir_all(&work)
             .map_err(io_err(format!("cannot create {}", work.display())))?;
-        let result = self.pull_into(card, &work, &target);
+        let result = self.pull_into(card, &work, &target, progress);
         let _ = std::fs::remove_dir_all(&work);
         result?;
         std::fs::write(dir.join(".sha256"), &card.sha256)
@@ -64,7 +73,13 @@ impl Store {
         Ok(target)
     }
 
-    fn pull_into(&self, card: &ModelCard, work: &Path, target: &Path) -> Result<()> {
+    fn pull_into(
+        &self,
+        card: &ModelCard,
+        work: &Path,
+        target: &Path,
+        progress: &dyn Fn(u64, u64),
+    ) -> Result<()> {
         let bar = ProgressBar::new(card.size).with_style(
             ProgressStyle::with_template(
                 "{msg:30} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
@@ -110,6 +125,7 @@ impl Store {
                     .map_err(io_err(format!("cannot write {}", partial.display())))?;
                 written += k as u64;
                 bar.set_position(written);
+                progress(written, card.size);
             }
             let output = child
                 .wait_with_output()

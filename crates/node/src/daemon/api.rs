@@ -1,0 +1,108 @@
+//! The loop's side of the HTTP API: status, placement and routing calls.
+
+use super::*;
+
+impl Daemon {
+    pub(super) fn status(&self) -> serde_json::Value {
+        serde_json::json!({
+            "node_id": self.me,
+            "master_id": self.master,
+            "term": self.highest_term,
+            "index": self.state.index,
+            "leading": self.leading,
+            "peers": self.swarm.connected_peers().map(|p| p.to_string()).collect::<Vec<_>>(),
+            "nodes": self.state.nodes.values().collect::<Vec<_>>(),
+            "instances": self.state.instances.values().map(|i| {
+                // The token stays inside the cluster's state, out of status output.
+                let mut v = serde_json::to_value(i).unwrap_or_default();
+                if let Some(o) = v.as_object_mut() { o.remove("token"); }
+                v
+            }).collect::<Vec<_>>(),
+        })
+    }
+
+    pub(super) fn on_api(&mut self, call: ApiCall) {
+        match call {
+            ApiCall::Status(reply) => {
+                let _ = reply.send(self.status());
+            }
+            ApiCall::Place {
+                model,
+                strategy,
+                nodes,
+                context,
+                preview,
+                reply,
+            } => {
+                let req = match Self::request(&model, strategy, nodes, context) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
+                if preview {
+                    let r = place(&self.state, &req)
+                        .map_err(|r| r.0)
+                        .and_then(|p| serde_json::to_value(p).map_err(|e| e.to_string()));
+                    let _ = reply.send(r);
+                } else if self.leading {
+                    let r = self
+                        .place_now(&model, strategy, nodes, context, 0)
+                        .and_then(|i| serde_json::to_value(i).map_err(|e| e.to_string()));
+                    let _ = reply.send(r);
+                } else if let Some(m) = self.master_peer() {
+                    let id = self
+                        .swarm
+                        .behaviour_mut()
+                        .rpc
+                        .send_request(&m, Request::Place(req));
+                    self.pending.insert(id, Pending::Place(reply));
+                } else {
+                    let _ = reply.send(Err("no master yet; try again in a moment".into()));
+                }
+            }
+            ApiCall::Route {
+                model,
+                local_only,
+                reply,
+            } => {
+                let _ = reply.send(self.route(model.as_deref(), local_only));
+            }
+        }
+    }
+
+    /// A ready instance of `model` (any model when `None`): one whose rank 0 runs here if
+    /// there is one, else the first; `local_only` for requests forwarded from a peer.
+    pub(super) fn route(&self, model: Option<&str>, local_only: bool) -> Result<Route, String> {
+        let ready: Vec<&Instance> = self
+            .state
+            .instances
+            .values()
+            .filter(|i| i.status == InstanceStatus::Ready)
+            .filter(|i| model.is_none_or(|m| i.model == m))
+            .collect();
+        let here = |i: &&&Instance| i.ranks.first().is_some_and(|r| r.node == self.me);
+        let inst = ready
+            .iter()
+            .find(here)
+            .or(if local_only { None } else { ready.first() })
+            .ok_or_else(|| match model {
+                Some(m) => format!("no ready instance of {m} (see `shoal status`)"),
+                None => "no ready instance (place one with `shoal place MODEL`)".into(),
+            })?;
+        let head = inst.ranks.first().ok_or("an instance without ranks")?;
+        if head.node == self.me {
+            let h = self
+                .runners
+                .get(&(inst.id.clone(), 0))
+                .ok_or("rank 0 is not running here yet")?;
+            return Ok(Route::Local(h.jobs.clone()));
+        }
+        let peer = head
+            .node
+            .parse::<PeerId>()
+            .map_err(|e| format!("rank 0's node id {}: {e}", head.node))?;
+        Ok(Route::Remote(peer))
+    }
+}

@@ -1,0 +1,340 @@
+//! The node's event loop: the single owner of everything the node knows.
+//!
+//! Inputs arrive as messages (swarm events, API calls, runner reports, model-file
+//! progress, a 250 ms tick); the loop updates its state and sends messages out; it never
+//! blocks on a peer, a runner or a disk: model copies, pulls and forwarded requests run
+//! in tasks of their own that report back. Each tick: a heartbeat; the liveness view;
+//! the election decision; as master, node-loss detection and re-placement of failed
+//! instances; a resource report; the worker's plan carried out.
+//!
+//! - [`replication`]: election, the master's log, catch-up.
+//! - [`placement`]: the master creates, removes and re-places instances.
+//! - [`worker`]: the resource report, rank ports and runners.
+//! - [`fetch`]: model files copied from peers or pulled from their packages.
+//! - [`rpc`]: swarm events, gossip, direct requests, link probes.
+//! - [`api`]: the loop's answers to the HTTP API.
+
+mod api;
+mod fetch;
+mod placement;
+mod replication;
+mod rpc;
+mod worker;
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use futures::StreamExt;
+use libp2p::gossipsub;
+use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
+use libp2p::swarm::SwarmEvent;
+use libp2p::{Multiaddr, PeerId, Swarm};
+use shoal_cluster::election::{Decision, decide};
+use shoal_cluster::placement::{ModelFacts, PlaceRequest, Plan, place};
+use shoal_cluster::worker::{Action, Local, plan};
+use shoal_cluster::{
+    Backend, ClusterState, Event, Indexed, Instance, InstanceStatus, LinkStats, NodeId, NodeInfo,
+    RankSlot, Resources, RunnerStatus, apply,
+};
+use shoal_store::{Store, builtin_cards, find_card};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::gpu::{Gpu, query_gpu};
+use crate::keys::{KeySource, cluster_key, load_or_create_identity};
+use crate::p2p::{
+    self, Behaviour, BehaviourEvent, COMMANDS_TOPIC, Command, EVENTS_TOPIC, HEARTBEAT_TOPIC,
+    Heartbeat, Published, Request, Response,
+};
+use crate::supervisor::{self, Job, RunnerHandle, RunnerReport, RunnerSpec};
+use fetch::FetchReport;
+
+/// How a node is started.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub data_dir: PathBuf,
+    /// The control HTTP API.
+    pub http: SocketAddr,
+    /// libp2p.
+    pub p2p: SocketAddr,
+    /// Peers to dial (other networks, tests).
+    pub peers: Vec<SocketAddr>,
+    pub cluster_key_file: Option<PathBuf>,
+    pub mdns: bool,
+    /// A runner with a request in hand and no progress for this long is killed.
+    pub stall_timeout: Duration,
+    /// The `shoal` binary, started for runners.
+    pub exe: PathBuf,
+    /// Compute threads per runner (default: the runner's own default).
+    pub runner_threads: Option<usize>,
+}
+
+const TICK: Duration = Duration::from_millis(250);
+/// A node silent for this long is dead.
+const NODE_TIMEOUT: Duration = Duration::from_millis(2500);
+/// How long a starting node listens before taking part in the election.
+const GRACE: Duration = Duration::from_millis(1500);
+/// Placements of a model after its instance failed, at most.
+const MAX_ATTEMPTS: u32 = 3;
+
+/// Calls from the HTTP API into the loop.
+pub enum ApiCall {
+    Status(oneshot::Sender<serde_json::Value>),
+    Place {
+        model: String,
+        strategy: Option<shoal_cluster::Strategy>,
+        nodes: Option<usize>,
+        context: Option<usize>,
+        preview: bool,
+        reply: oneshot::Sender<Result<serde_json::Value, String>>,
+    },
+    /// Where to send a request for `model`: a local rank 0 or the node that holds it.
+    Route {
+        model: Option<String>,
+        /// Only a local rank 0 will do (a request another node forwarded here).
+        local_only: bool,
+        reply: oneshot::Sender<Result<Route, String>>,
+    },
+}
+
+pub enum Route {
+    /// Rank 0 runs here.
+    Local(mpsc::Sender<Job>),
+    /// Rank 0 runs on this peer: the request is forwarded over the cluster's link.
+    Remote(PeerId),
+}
+
+enum Pending {
+    Place(oneshot::Sender<Result<serde_json::Value, String>>),
+    CatchUp,
+    /// A link probe to a peer: sent when, and with how many bytes.
+    Probe(PeerId, Instant, usize),
+}
+
+struct Daemon {
+    config: NodeConfig,
+    me: NodeId,
+    swarm: Swarm<Behaviour>,
+    /// Opens streams to peers (model files) from tasks of their own.
+    streams: libp2p_stream::Control,
+    store: Store,
+    http: String,
+    state: ClusterState,
+    highest_term: u64,
+    leading: bool,
+    master: Option<NodeId>,
+    started: Instant,
+    /// Last heartbeat per live node (not this one).
+    alive: HashMap<NodeId, (Instant, Heartbeat)>,
+    /// The address each connected peer is reached at, from this node's connections to it:
+    /// a rank on that peer is dialled there.
+    peer_ips: HashMap<PeerId, IpAddr>,
+    statics: Vec<Multiaddr>,
+    /// Peers mDNS found, with the addresses they announced.
+    discovered: HashMap<PeerId, Vec<Multiaddr>>,
+    last_dial: Instant,
+    local: Local,
+    runners: HashMap<(String, usize), RunnerHandle>,
+    /// Ports opened for this node's ranks, held until the runner takes the socket.
+    rank_listeners: HashMap<(String, usize), std::net::TcpListener>,
+    reports_tx: mpsc::Sender<RunnerReport>,
+    /// Model files arriving (copies and pulls), each a task of its own.
+    fetches: HashMap<String, tokio::task::JoinHandle<()>>,
+    fetch_tx: mpsc::Sender<FetchReport>,
+    /// Models whose copy failed lately, and until when not to try again.
+    fetch_backoff: HashMap<String, Instant>,
+    pending: HashMap<OutboundRequestId, Pending>,
+    catching_up: bool,
+    last_report: Option<(NodeInfo, Instant)>,
+    /// When the master may next place a failed model again, and how often it has.
+    retry: HashMap<String, (Instant, u32)>,
+    /// The failed instance's shape, tried first when placing it again.
+    retry_strategy: HashMap<String, (shoal_cluster::Strategy, usize, usize)>,
+    log: Option<std::fs::File>,
+    /// Measured links to peers, and when each was last probed.
+    links: HashMap<NodeId, LinkStats>,
+    last_probe: HashMap<PeerId, Instant>,
+    /// This machine's GPUs, refreshed by a task of its own.
+    gpu: Option<Gpu>,
+}
+
+/// Runs a node until interrupted.
+pub async fn run(config: NodeConfig) -> Result<()> {
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("cannot create {}", config.data_dir.display()))?;
+    let key = load_or_create_identity(&config.data_dir)?;
+    let (psk, source) = cluster_key(config.cluster_key_file.as_deref(), &config.data_dir)?;
+    if let KeySource::Made(path) = &source {
+        eprintln!(
+            "no cluster key given: made one in {} (give it to the other nodes with --cluster-key-file or SHOAL_CLUSTER_KEY)",
+            path.display()
+        );
+    }
+    let me = key.public().to_peer_id().to_string();
+    let mut swarm = p2p::build(key, psk, config.mdns)?;
+    for t in p2p::topics() {
+        swarm
+            .behaviour_mut()
+            .gossip
+            .subscribe(&t)
+            .context("subscribe")?;
+    }
+    swarm
+        .listen_on(p2p::multiaddr(config.p2p))
+        .with_context(|| format!("cannot listen on {}", config.p2p))?;
+    let store = Store::new(config.data_dir.clone());
+    let state = load_snapshot(&config.data_dir).unwrap_or_default();
+    let (api_tx, mut api_rx) = mpsc::channel::<ApiCall>(64);
+    let http_listener = tokio::net::TcpListener::bind(config.http)
+        .await
+        .with_context(|| format!("cannot listen on {}", config.http))?;
+    let http = http_listener.local_addr()?.to_string();
+    let mut streams = swarm.behaviour().streams.new_control();
+    let generate = streams.accept(p2p::GENERATE).context("generate protocol")?;
+    let files = streams
+        .accept(p2p::MODEL_FILE)
+        .context("model file protocol")?;
+    tokio::spawn(crate::forward::serve(generate, api_tx.clone()));
+    tokio::spawn(fetch::serve(files, store.clone()));
+    tokio::spawn(crate::api::serve(http_listener, api_tx, streams.clone()));
+    let (reports_tx, mut reports_rx) = mpsc::channel(256);
+    let (fetch_tx, mut fetch_rx) = mpsc::channel(64);
+    let (gpu_tx, mut gpu_rx) = mpsc::channel::<Option<Gpu>>(4);
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            if gpu_tx.send(query_gpu().await).await.is_err() {
+                return;
+            }
+        }
+    });
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(config.data_dir.join("events.jsonl"))
+        .ok();
+    let statics = config.peers.iter().map(|a| p2p::multiaddr(*a)).collect();
+    let mut d = Daemon {
+        me: me.clone(),
+        swarm,
+        streams,
+        store,
+        http: http.clone(),
+        highest_term: state.term,
+        state,
+        leading: false,
+        master: None,
+        started: Instant::now(),
+        alive: HashMap::new(),
+        peer_ips: HashMap::new(),
+        statics,
+        discovered: HashMap::new(),
+        last_dial: Instant::now() - Duration::from_secs(60),
+        local: Local::default(),
+        runners: HashMap::new(),
+        rank_listeners: HashMap::new(),
+        reports_tx,
+        fetches: HashMap::new(),
+        fetch_tx,
+        fetch_backoff: HashMap::new(),
+        pending: HashMap::new(),
+        catching_up: false,
+        last_report: None,
+        retry: HashMap::new(),
+        retry_strategy: HashMap::new(),
+        log,
+        links: HashMap::new(),
+        last_probe: HashMap::new(),
+        gpu: query_gpu().await,
+        config,
+    };
+    tracing::info!(node = %me, http = %http, "node started");
+    println!("node {me} listening: http {http}, p2p {}", d.config.p2p);
+    let mut tick = tokio::time::interval(TICK);
+    loop {
+        tokio::select! {
+            ev = d.swarm.select_next_some() => d.on_swarm(ev),
+            Some(call) = api_rx.recv() => d.on_api(call),
+            Some(r) = reports_rx.recv() => d.on_runner(r),
+            Some(f) = fetch_rx.recv() => d.on_fetch(f),
+            Some(g) = gpu_rx.recv() => d.gpu = g,
+            _ = tick.tick() => d.on_tick(),
+            _ = tokio::signal::ctrl_c() => {
+                tracing::info!("interrupted; stopping runners");
+                d.runners.clear();
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn load_snapshot(dir: &Path) -> Option<ClusterState> {
+    let text = std::fs::read_to_string(dir.join("state.json")).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+impl Daemon {
+    fn publish<T: serde::Serialize>(&mut self, topic: &str, msg: &T) {
+        let Ok(data) = serde_json::to_vec(msg) else {
+            return;
+        };
+        let topic = gossipsub::IdentTopic::new(topic);
+        if let Err(e) = self.swarm.behaviour_mut().gossip.publish(topic, data) {
+            // No peers yet is normal for a lone node.
+            tracing::trace!(error = %e, "publish");
+        }
+    }
+
+    fn master_peer(&self) -> Option<PeerId> {
+        self.master.as_ref().and_then(|m| m.parse().ok())
+    }
+
+    // ---- the tick ----
+
+    fn on_tick(&mut self) {
+        let hb = Heartbeat {
+            id: self.me.clone(),
+            term: self.highest_term,
+            leading: self.leading,
+            index: self.state.index,
+        };
+        self.publish(HEARTBEAT_TOPIC, &hb);
+        self.alive
+            .retain(|_, (seen, _)| seen.elapsed() < NODE_TIMEOUT);
+        self.dial_statics();
+        if self.started.elapsed() >= GRACE {
+            self.elect();
+        }
+        if self.leading {
+            self.master_duties();
+        }
+        self.probe();
+        // Which model files are here: read once a tick, for the report and the worker.
+        self.local.models = builtin_cards()
+            .into_iter()
+            .filter(|c| self.store.is_installed(c))
+            .map(|c| c.name)
+            .collect();
+        self.report();
+        self.work();
+    }
+
+    fn dial_statics(&mut self) {
+        if self.last_dial.elapsed() < Duration::from_secs(2) {
+            return;
+        }
+        self.last_dial = Instant::now();
+        self.dial_discovered();
+        if self.swarm.connected_peers().count() >= self.statics.len() && !self.statics.is_empty() {
+            return;
+        }
+        for addr in self.statics.clone() {
+            if let Err(e) = self.swarm.dial(addr.clone()) {
+                tracing::debug!(%addr, error = %e, "dial");
+            }
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! Any node answers any request: a request that reached a node without rank 0 of the
+//! model goes to the node that has it over the cluster's own authenticated link (a
+//! `/shoal/generate/1` stream), and the answer comes back piece by piece.
+//!
+//! The serving side sends a keepalive whenever it has been quiet for a second, so the
+//! asking side can tell a slow answer from a cut link or a frozen node: nothing for
+//! [`SILENCE`] ends the answer with an error naming the peer. A stream that closes
+//! before its `Done` is an error too: an answer is never cut silently.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use libp2p::PeerId;
+use libp2p_stream::IncomingStreams;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::daemon::{ApiCall, Route};
+use crate::p2p::{self, Forward, read_line, write_line};
+use crate::supervisor::{Job, Piece};
+
+/// The serving side writes a keepalive after this much quiet.
+const KEEPALIVE: Duration = Duration::from_secs(1);
+/// The asking side gives up after this much silence from the peer.
+pub const SILENCE: Duration = Duration::from_secs(5);
+/// How long opening a stream and sending the request may take.
+const OPEN: Duration = Duration::from_secs(10);
+
+/// Takes forwarded requests from peers and answers them from a local rank 0.
+pub async fn serve(mut incoming: IncomingStreams, calls: mpsc::Sender<ApiCall>) {
+    while let Some((peer, stream)) = incoming.next().await {
+        let calls = calls.clone();
+        tokio::spawn(async move {
+            if let Err(e) = answer(stream, calls).await {
+                tracing::debug!(%peer, error = %e, "forwarded request ended");
+            }
+        });
+    }
+}
+
+async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io::Result<()> {
+    let mut stream = futures::io::BufReader::new(stream);
+    let req: Forward = read_line(&mut stream, OPEN).await?;
+    let stream = stream.get_mut();
+    let model = req
+        .body
+        .get("model")
+        .and_then(|m| m.as_str())
+        .map(str::to_string);
+    let (reply, route) = oneshot::channel();
+    let asked = calls
+        .send(ApiCall::Route {
+            model,
+            local_only: true,
+            reply,
+        })
+        .await;
+    let route = match asked {
+        Ok(()) => tokio::time::timeout(OPEN, route)
+            .await
+            .ok()
+            .and_then(Result::ok),
+        Err(_) => None,
+    };
+    let jobs = match route {
+        Some(Ok(Route::Local(jobs))) => jobs,
+        Some(Ok(Route::Remote(_))) => {
+            let why = "rank 0 is not on this node any more".to_string();
+            return write_line(stream, &Piece::Error(why)).await;
+        }
+        Some(Err(why)) => return write_line(stream, &Piece::Error(why)).await,
+        None => {
+            let why = "the node holding rank 0 did not route the request".to_string();
+            return write_line(stream, &Piece::Error(why)).await;
+        }
+    };
+    let (tx, mut rx) = mpsc::channel(256);
+    if jobs
+        .send(Job {
+            body: req.body,
+            reply: tx,
+        })
+        .await
+        .is_err()
+    {
+        let why = "rank 0's runner is gone".to_string();
+        return write_line(stream, &Piece::Error(why)).await;
+    }
+    loop {
+        let piece = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+            Ok(Some(p)) => p,
+            Ok(None) => Piece::Error("rank 0's runner stopped before the answer ended".into()),
+            Err(_) => Piece::Keepalive,
+        };
+        let last = matches!(piece, Piece::Done | Piece::Error(_));
+        write_line(stream, &piece).await?;
+        if last {
+            return futures::AsyncWriteExt::close(stream).await;
+        }
+    }
+}
+
+/// Sends `body` to `peer`, which holds rank 0, and returns the answer's pieces. The
+/// channel always ends with `Done` or `Error`.
+pub fn forward(
+    mut streams: libp2p_stream::Control,
+    peer: PeerId,
+    body: serde_json::Value,
+) -> mpsc::Receiver<Piece> {
+    let (tx, rx) = mpsc::channel(256);
+    tokio::spawn(async move {
+        let opened = tokio::time::timeout(OPEN, streams.open_stream(peer, p2p::GENERATE)).await;
+        let stream = match opened {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                let why = format!("cannot reach node {peer}, which holds rank 0: {e}");
+                let _ = tx.send(Piece::Error(why)).await;
+                return;
+            }
+            Err(_) => {
+                let why = format!("node {peer}, which holds rank 0, did not answer in {OPEN:?}");
+                let _ = tx.send(Piece::Error(why)).await;
+                return;
+            }
+        };
+        let mut stream = futures::io::BufReader::new(stream);
+        if let Err(e) = write_line(stream.get_mut(), &Forward { body }).await {
+            let why = format!("cannot send the request to node {peer}: {e}");
+            let _ = tx.send(Piece::Error(why)).await;
+            return;
+        }
+        loop {
+            let piece = match read_line::<Piece, _>(&mut stream, SILENCE).await {
+                Ok(Piece::Keepalive) => continue,
+                Ok(p) => p,
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Piece::Error(format!(
+                    "no word from node {peer} (rank 0) for {SILENCE:?}: the link is cut or the node froze"
+                )),
+                Err(e) => Piece::Error(format!(
+                    "the link to node {peer} (rank 0) broke before the answer ended: {e}"
+                )),
+            };
+            let last = matches!(piece, Piece::Done | Piece::Error(_));
+            if tx.send(piece).await.is_err() || last {
+                return; // the client went away, or the answer is complete
+            }
+        }
+    });
+    rx
+}
