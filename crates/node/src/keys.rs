@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use libp2p::identity::Keypair;
+use shoal_store::hex;
 
 /// Loads the node key from `dir/identity.key`, or makes and saves one.
 pub fn load_or_create_identity(dir: &Path) -> Result<Keypair> {
@@ -48,10 +49,6 @@ fn random_key() -> Result<[u8; 32]> {
 /// A new cluster key as 64 hex digits (`shoal keygen`).
 pub fn new_cluster_key() -> Result<String> {
     Ok(hex(&random_key()?))
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Parses 64 hex digits (surrounding whitespace ignored).

@@ -9,7 +9,7 @@ mod pull;
 use std::path::{Path, PathBuf};
 
 pub use card::{ModelCard, Part, builtin_cards, find_card};
-pub use pull::sha256_file;
+pub use pull::{hex, sha256_file};
 
 /// Everything that can go wrong in the store.
 #[derive(Debug, thiserror::Error)]

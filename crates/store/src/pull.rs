@@ -18,7 +18,8 @@ fn python() -> String {
     std::env::var("SHOAL_PYTHON").unwrap_or_else(|_| "python3".to_string())
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Bytes as lowercase hex (how sha256 digests are written on the model cards).
+pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

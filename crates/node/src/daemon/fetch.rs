@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use futures::{AsyncReadExt, AsyncWriteExt};
 use libp2p_stream::IncomingStreams;
 use sha2::{Digest, Sha256};
-use shoal_store::ModelCard;
+use shoal_store::{ModelCard, hex};
 
 use super::*;
 use crate::p2p::{FileHeader, FileRequest, read_line, write_line};
@@ -73,10 +73,6 @@ async fn send_file(stream: libp2p::Stream, store: &Store) -> std::io::Result<()>
         stream.write_all(&buf[..n]).await?;
     }
     stream.close().await
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Copies `card`'s file from `peer` into the store.

@@ -89,6 +89,8 @@ impl Daemon {
             .filter(|id| self.alive.contains_key(id))
             .collect();
         self.keep_rank_ports();
+        // A port is open while its socket is held here (until the runner takes it).
+        self.local.ports = self.rank_listeners.keys().cloned().collect();
         for action in plan(&self.state, &self.me, &self.local) {
             match action {
                 Action::Fetch { model, from } => self.start_fetch(&model, &from),
@@ -97,8 +99,7 @@ impl Daemon {
                 Action::Start { instance, rank } => self.start_runner(&instance, rank),
                 Action::Stop { instance, rank } => {
                     tracing::info!(instance, rank, "stopping runner");
-                    self.runners.remove(&(instance.clone(), rank));
-                    self.local.ports.remove(&(instance, rank));
+                    self.runners.remove(&(instance, rank));
                 }
             }
         }
@@ -112,9 +113,8 @@ impl Daemon {
         let ip = self.config.p2p.ip();
         match std::net::TcpListener::bind((ip, 0)).and_then(|l| Ok((l.local_addr()?, l))) {
             Ok((addr, listener)) => {
-                let key = (instance.clone(), rank);
-                self.local.ports.insert(key.clone());
-                self.rank_listeners.insert(key, listener);
+                self.rank_listeners
+                    .insert((instance.clone(), rank), listener);
                 self.command(Command::RankPort {
                     instance,
                     rank,
@@ -137,7 +137,6 @@ impl Daemon {
                 .and_then(|i| i.ranks.get(*rank))
         };
         self.rank_listeners.retain(|k, _| live(k).is_some());
-        self.local.ports.retain(|k| live(k).is_some());
         let unreported: Vec<Command> = self
             .rank_listeners
             .iter()
@@ -237,7 +236,6 @@ impl Daemon {
             }
             RunnerReport::Exited((instance, rank), why) => {
                 self.runners.remove(&(instance.clone(), rank));
-                self.local.ports.remove(&(instance.clone(), rank));
                 self.command(Command::RankStatus {
                     instance,
                     rank,
