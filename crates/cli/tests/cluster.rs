@@ -199,40 +199,8 @@ fn three_nodes_elect_one_master_share_state_and_keep_strangers_out() {
 }
 
 fn install_smollm2(node: &Node) {
-    let src = shoal_store_path();
-    let dir = node.dir.join("models/smollm2-135m");
-    std::fs::create_dir_all(&dir).expect("dir");
-    for entry in std::fs::read_dir(src.parent().expect("model dir")).expect("read") {
-        let entry = entry.expect("entry");
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.ends_with(".gguf") || name == ".sha256" {
-            std::fs::copy(entry.path(), dir.join(&*name)).expect("copy");
-        }
-    }
-}
-
-/// smollm2-135m in the tests' store (installed on first use).
-fn shoal_store_path() -> PathBuf {
-    let out = shoal().args(["models", "--json"]).output().expect("models");
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
-    let installed = v
-        .as_array()
-        .and_then(|a| a.iter().find(|m| m["name"] == "smollm2-135m"))
-        .and_then(|m| m["path"].as_str().map(PathBuf::from));
-    if let Some(p) = installed {
-        return p;
-    }
-    let out = shoal()
-        .args(["pull", "smollm2-135m"])
-        .output()
-        .expect("pull");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    shoal_store_path()
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_shoal"));
+    shoal_testbed::install_from_store(bin, "smollm2-135m", &node.dir);
 }
 
 fn place(node: &Node, strategy: &str, n: usize) -> String {

@@ -9,7 +9,52 @@
 
 use std::collections::BTreeSet;
 
+use serde::{Deserialize, Serialize};
+
 use crate::NodeId;
+
+/// What a node's heartbeat says about the state it holds, so that after a partition the
+/// cluster keeps the state of the side that stayed bigger (its instances kept serving),
+/// not whichever side's master happens to have the highest id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Standing {
+    /// Nodes this one has seen up without a break for a while, itself included: while
+    /// a partition heals, each side's count is still the size it had apart.
+    pub side: usize,
+    /// The term of the master that wrote the state (its branch).
+    pub term: u64,
+    pub index: u64,
+}
+
+impl Standing {
+    /// Whether this state should replace `other`'s. On one branch (the same term) the
+    /// longer log wins: a follower that got events a dead master's successor missed.
+    /// Across branches (two sides of a partition) the bigger side wins, then the later
+    /// term, then the longer log.
+    pub fn outweighs(&self, other: &Standing) -> bool {
+        if self.term == other.term {
+            self.index > other.index
+        } else {
+            (self.side, self.term, self.index) > (other.side, other.term, other.index)
+        }
+    }
+}
+
+/// The peer whose state a node about to lead (or leading) should take first: the one
+/// that outweighs it and every other such peer, if any.
+pub fn heaviest<'a, K>(
+    mine: &Standing,
+    peers: impl IntoIterator<Item = (&'a K, &'a Standing)>,
+) -> Option<&'a K>
+where
+    K: 'a,
+{
+    peers
+        .into_iter()
+        .filter(|(_, s)| s.outweighs(mine))
+        .max_by_key(|(_, s)| (s.side, s.term, s.index))
+        .map(|(k, _)| k)
+}
 
 /// What a node should do about mastership now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -67,6 +112,46 @@ mod tests {
 
     fn set(ids: &[&str]) -> BTreeSet<NodeId> {
         ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn standing(side: usize, term: u64, index: u64) -> Standing {
+        Standing { side, term, index }
+    }
+
+    #[test]
+    fn on_one_branch_the_longer_log_wins() {
+        assert!(standing(3, 4, 10).outweighs(&standing(3, 4, 9)));
+        assert!(!standing(3, 4, 9).outweighs(&standing(3, 4, 10)));
+        assert!(!standing(3, 4, 9).outweighs(&standing(3, 4, 9)));
+        // Side does not matter on one branch: a node just back sees a small side.
+        assert!(standing(1, 4, 10).outweighs(&standing(3, 4, 9)));
+    }
+
+    #[test]
+    fn across_a_healed_partition_the_bigger_side_wins() {
+        // The majority kept the old term 1; the lone node elected itself with term 2
+        // and wrote more events meanwhile.
+        let majority = standing(2, 1, 58);
+        let lone = standing(1, 2, 61);
+        assert!(majority.outweighs(&lone));
+        assert!(!lone.outweighs(&majority));
+        // Equal sides: the later term.
+        assert!(standing(2, 3, 5).outweighs(&standing(2, 2, 50)));
+    }
+
+    #[test]
+    fn the_heaviest_peer_is_the_one_to_take_the_state_from() {
+        let mine = standing(1, 2, 61);
+        let peers = [
+            ("a", standing(2, 1, 58)),
+            ("b", standing(2, 1, 57)),
+            ("c", standing(1, 2, 60)),
+        ];
+        let got = heaviest(&mine, peers.iter().map(|(k, s)| (k, s)));
+        assert_eq!(got, Some(&"a"));
+        // Nobody outweighs the majority's master.
+        let mine = standing(2, 1, 58);
+        assert_eq!(heaviest(&mine, peers.iter().map(|(k, s)| (k, s))), None);
     }
 
     #[test]

@@ -42,9 +42,11 @@ const MAX_LINE: u64 = 16 << 20;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Heartbeat {
     pub id: NodeId,
+    /// The highest term this node has seen.
     pub term: u64,
     pub leading: bool,
-    pub index: u64,
+    /// The state it holds.
+    pub standing: shoal_cluster::election::Standing,
 }
 
 /// A node asks the master to record something.
@@ -197,8 +199,16 @@ pub fn build(key: Keypair, cluster_key: [u8; 32], mdns_on: bool) -> Result<Swarm
                         .with_request_timeout(Duration::from_secs(30)),
                 );
                 let mdns = if mdns_on {
+                    // Asked again every few seconds, not every 5 minutes (the default):
+                    // libp2p's mDNS stops probing at the first answer, so machines that
+                    // start together may hear only some of each other at first.
+                    let config = mdns::Config {
+                        query_interval: Duration::from_secs(5),
+                        ttl: Duration::from_secs(60),
+                        ..mdns::Config::default()
+                    };
                     Some(mdns::tokio::Behaviour::new(
-                        mdns::Config::default(),
+                        config,
                         key.public().to_peer_id(),
                     )?)
                 } else {

@@ -24,7 +24,7 @@ use serde_json::Value;
 use shoal_cluster::RunnerStatus;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 /// An instance's rank.
@@ -81,13 +81,29 @@ pub enum RunnerReport {
 /// The node's end of a runner.
 pub struct RunnerHandle {
     pub jobs: mpsc::Sender<Job>,
-    task: tokio::task::JoinHandle<()>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    stop: Option<oneshot::Sender<String>>,
+}
+
+impl RunnerHandle {
+    /// Stops the runner, failing the requests it holds or has queued with `why` (the
+    /// client hears what happened, not just that the stream ended).
+    pub fn stop(mut self, why: String) {
+        if let Some(stop) = self.stop.take()
+            && stop.send(why).is_ok()
+        {
+            // The task ends by itself once it has told the clients.
+            self.task.take();
+        }
+    }
 }
 
 impl Drop for RunnerHandle {
     fn drop(&mut self) {
         // The task owns the child (killed on drop) and the socket.
-        self.task.abort();
+        if let Some(t) = &self.task {
+            t.abort();
+        }
     }
 }
 
@@ -149,8 +165,13 @@ pub fn start(
     // The runner has its own copy of the socket now.
     drop(rank_listener);
     let (jobs, job_rx) = mpsc::channel(64);
-    let task = tokio::spawn(supervise(spec, child, listener, job_rx, reports));
-    Ok(RunnerHandle { jobs, task })
+    let (stop, stop_rx) = oneshot::channel();
+    let task = tokio::spawn(supervise(spec, child, listener, job_rx, stop_rx, reports));
+    Ok(RunnerHandle {
+        jobs,
+        task: Some(task),
+        stop: Some(stop),
+    })
 }
 
 /// The environment variable `shoal rank` reads its instance token from.
@@ -163,6 +184,7 @@ async fn supervise(
     mut child: tokio::process::Child,
     listener: UnixListener,
     mut jobs: mpsc::Receiver<Job>,
+    mut stop: oneshot::Receiver<String>,
     reports: mpsc::Sender<RunnerReport>,
 ) {
     let key: Key = (spec.instance.clone(), spec.rank);
@@ -181,6 +203,11 @@ async fn supervise(
         },
         status = child.wait() => {
             return exit(&mut child, &reports, key, format!("exited while starting ({})", describe(status))).await;
+        }
+        why = &mut stop => {
+            let why = why.unwrap_or_else(|_| "stopped by its node".into());
+            stop_jobs(&mut jobs, None, &mut VecDeque::new(), &why).await;
+            return exit(&mut child, &reports, key, why).await;
         }
     };
     let (read, mut write) = stream.into_split();
@@ -248,6 +275,11 @@ async fn supervise(
                 Some(job) => queue.push_back(job),
                 None => return, // the node dropped the handle; the child dies with us
             },
+            why = &mut stop => {
+                let why = why.unwrap_or_else(|_| "stopped by its node".into());
+                stop_jobs(&mut jobs, current.take(), &mut queue, &why).await;
+                return exit(&mut child, &reports, key, why).await;
+            }
             status = child.wait() => {
                 fail_jobs(current.take(), &mut queue, "the runner exited").await;
                 return exit(&mut child, &reports, key, format!("exited ({})", describe(status))).await;
@@ -277,6 +309,20 @@ async fn fail_jobs(current: Option<Job>, queue: &mut VecDeque<Job>, why: &str) {
     for job in current.into_iter().chain(queue.drain(..)) {
         let _ = job.reply.send(Piece::Error(why.to_string())).await;
     }
+}
+
+/// Fails every request held, queued, or still in the channel: the runner is stopping.
+async fn stop_jobs(
+    jobs: &mut mpsc::Receiver<Job>,
+    current: Option<Job>,
+    queue: &mut VecDeque<Job>,
+    why: &str,
+) {
+    jobs.close();
+    while let Ok(job) = jobs.try_recv() {
+        queue.push_back(job);
+    }
+    fail_jobs(current, queue, why).await;
 }
 
 async fn exit(

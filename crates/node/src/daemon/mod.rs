@@ -33,7 +33,7 @@ use libp2p::gossipsub;
 use libp2p::request_response::{self, OutboundRequestId, ResponseChannel};
 use libp2p::swarm::SwarmEvent;
 use libp2p::{Multiaddr, PeerId, Swarm};
-use shoal_cluster::election::{Decision, decide};
+use shoal_cluster::election::{Decision, Standing, decide, heaviest};
 use shoal_cluster::placement::{ModelFacts, PlaceRequest, Plan, place};
 use shoal_cluster::worker::{Action, Local, plan};
 use shoal_cluster::{
@@ -77,6 +77,16 @@ const TICK: Duration = Duration::from_millis(250);
 const NODE_TIMEOUT: Duration = Duration::from_millis(2500);
 /// How long a starting node listens before taking part in the election.
 const GRACE: Duration = Duration::from_millis(1500);
+/// A peer counts towards this node's side once it has been up this long without a
+/// break: while a partition heals, each side still counts what it had apart.
+const SETTLE: Duration = Duration::from_secs(5);
+
+/// A live peer: its last heartbeat, and since when it has been up without a break.
+struct Seen {
+    last: Instant,
+    since: Instant,
+    hb: Heartbeat,
+}
 /// Placements of a model after its instance failed, at most.
 const MAX_ATTEMPTS: u32 = 3;
 
@@ -128,7 +138,14 @@ struct Daemon {
     master: Option<NodeId>,
     started: Instant,
     /// Last heartbeat per live node (not this one).
-    alive: HashMap<NodeId, (Instant, Heartbeat)>,
+    alive: HashMap<NodeId, Seen>,
+    /// Catching up from a peer whose state outweighs this node's, to lead with it.
+    adopting: bool,
+    /// The standing last taken that way (not taken twice).
+    adopted: Option<Standing>,
+    /// Following a master that will take this node's (heavier) state, since when: its
+    /// events are not applied here until its snapshot comes.
+    awaiting: Option<(NodeId, Instant)>,
     /// The address each connected peer is reached at, from this node's connections to it:
     /// a rank on that peer is dialled there.
     peer_ips: HashMap<PeerId, IpAddr>,
@@ -138,6 +155,8 @@ struct Daemon {
     last_dial: Instant,
     local: Local,
     runners: HashMap<(String, usize), RunnerHandle>,
+    /// Why instances were removed (recent ones), for the clients of their runners.
+    removed: HashMap<String, String>,
     /// Ports opened for this node's ranks, held until the runner takes the socket.
     rank_listeners: HashMap<(String, usize), std::net::TcpListener>,
     reports_tx: mpsc::Sender<RunnerReport>,
@@ -185,7 +204,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
     swarm
         .listen_on(p2p::multiaddr(config.p2p))
         .with_context(|| format!("cannot listen on {}", config.p2p))?;
-    let store = Store::new(config.data_dir.clone());
+    let store = Store::new(config.data_dir.clone()).with_pip_args(shoal_store::pip_args_from_env());
     let state = load_snapshot(&config.data_dir).unwrap_or_default();
     let (api_tx, mut api_rx) = mpsc::channel::<ApiCall>(64);
     let http_listener = tokio::net::TcpListener::bind(config.http)
@@ -235,6 +254,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         last_dial: Instant::now() - Duration::from_secs(60),
         local: Local::default(),
         runners: HashMap::new(),
+        removed: HashMap::new(),
         rank_listeners: HashMap::new(),
         reports_tx,
         fetches: HashMap::new(),
@@ -242,6 +262,9 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         fetch_backoff: HashMap::new(),
         pending: HashMap::new(),
         catching_up: false,
+        adopting: false,
+        adopted: None,
+        awaiting: None,
         last_report: None,
         retry: HashMap::new(),
         retry_strategy: HashMap::new(),
@@ -299,11 +322,11 @@ impl Daemon {
             id: self.me.clone(),
             term: self.highest_term,
             leading: self.leading,
-            index: self.state.index,
+            standing: self.standing(),
         };
         self.publish(HEARTBEAT_TOPIC, &hb);
         self.alive
-            .retain(|_, (seen, _)| seen.elapsed() < NODE_TIMEOUT);
+            .retain(|_, seen| seen.last.elapsed() < NODE_TIMEOUT);
         self.dial_statics();
         if self.started.elapsed() >= GRACE {
             self.elect();
@@ -335,6 +358,22 @@ impl Daemon {
             if let Err(e) = self.swarm.dial(addr.clone()) {
                 tracing::debug!(%addr, error = %e, "dial");
             }
+        }
+    }
+}
+
+impl Daemon {
+    /// This node's state, as its heartbeat tells the others.
+    fn standing(&self) -> Standing {
+        let settled = self
+            .alive
+            .values()
+            .filter(|s| s.since.elapsed() >= SETTLE)
+            .count();
+        Standing {
+            side: 1 + settled,
+            term: self.state.term,
+            index: self.state.index,
         }
     }
 }

@@ -9,45 +9,87 @@ impl Daemon {
         alive.insert(self.me.clone());
         let leading = self.leading.then_some(self.state.term);
         match decide(&self.me, leading, self.highest_term, &alive) {
+            Decision::KeepLeading | Decision::Lead { .. } if self.take_heavier_state() => {}
             Decision::KeepLeading => {}
-            Decision::Lead { term } => {
-                // Take over only with the newest state any live node has seen.
-                let ahead = self
-                    .alive
-                    .iter()
-                    .filter(|(_, (_, hb))| {
-                        hb.index > self.state.index && hb.term >= self.state.term
-                    })
-                    .max_by_key(|(_, (_, hb))| (hb.term, hb.index))
-                    .map(|(id, _)| id.clone());
-                if let Some(peer) = ahead {
-                    self.catch_up_from(&peer);
-                    return;
-                }
-                tracing::info!(term, "elected master");
-                self.leading = true;
-                self.highest_term = term;
-                self.master = Some(self.me.clone());
-                self.state.term = term;
-                let snap = Published::Snapshot {
-                    term,
-                    state: self.state.clone(),
-                };
-                self.publish(EVENTS_TOPIC, &snap);
-                self.persist(None);
-            }
+            Decision::Lead { term } => self.take_office(term),
             Decision::Follow(m) => {
                 if self.leading {
                     tracing::info!(master = %m, "stepping down");
                 }
                 self.leading = false;
+                self.adopting = false;
                 if self.master.as_ref() != Some(&m) {
-                    tracing::info!(master = %m, "following");
                     self.master = Some(m.clone());
+                    let theirs = self.alive.get(&m).map(|s| s.hb.standing);
+                    if theirs.is_some_and(|t| self.standing().outweighs(&t)) {
+                        // A healed partition: this side's state is the one to keep; the
+                        // master takes it from here and publishes it.
+                        tracing::info!(master = %m, "following; it will take this side's state");
+                        self.awaiting = Some((m, Instant::now()));
+                    } else {
+                        tracing::info!(master = %m, "following");
+                        self.awaiting = None;
+                        self.catch_up_from(&m);
+                    }
+                }
+                // A master that never takes the state: take its own after all.
+                if let Some((m, since)) = self.awaiting.clone()
+                    && since.elapsed() > SETTLE
+                {
+                    self.awaiting = None;
                     self.catch_up_from(&m);
                 }
             }
         }
+    }
+
+    /// As master (or about to be): when a live peer holds a state that outweighs this
+    /// node's (the events a dead master's successor missed; the bigger side of a healed
+    /// partition), fetch it first, then lead with it. True while that is under way.
+    fn take_heavier_state(&mut self) -> bool {
+        if self.catching_up {
+            return true;
+        }
+        let mine = self.standing();
+        let adopted = self.adopted;
+        let peers = self
+            .alive
+            .iter()
+            .filter(|(_, s)| Some(s.hb.standing) != adopted)
+            .map(|(id, s)| (id, &s.hb.standing));
+        let Some(peer) = heaviest(&mine, peers).cloned() else {
+            return false;
+        };
+        let theirs = self.alive.get(&peer).map(|s| s.hb.standing);
+        tracing::info!(%peer, ?theirs, ?mine, "taking the state of a peer that outweighs this one");
+        // No events from here until it leads with that state.
+        self.leading = false;
+        self.adopting = true;
+        self.adopted = theirs;
+        self.catch_up_from(&peer);
+        true
+    }
+
+    /// Leads with `term`, announcing the state this node holds.
+    pub(super) fn take_office(&mut self, term: u64) {
+        let peers: Vec<(&NodeId, Standing)> = self
+            .alive
+            .iter()
+            .map(|(id, s)| (id, s.hb.standing))
+            .collect();
+        tracing::info!(term, standing = ?self.standing(), ?peers, "elected master");
+        self.leading = true;
+        self.adopting = false;
+        self.awaiting = None;
+        self.highest_term = term;
+        self.master = Some(self.me.clone());
+        self.state.term = term;
+        let snap = Published::Snapshot {
+            term,
+            state: self.state.clone(),
+        };
+        self.publish(EVENTS_TOPIC, &snap);
+        self.persist(None);
     }
 
     pub(super) fn catch_up_from(&mut self, peer: &NodeId) {
@@ -67,14 +109,27 @@ impl Daemon {
     }
 
     pub(super) fn emit(&mut self, event: Event) {
+        // The term this master leads with, not the highest heard: a master that has
+        // just heard of a later term must not write into it before it has decided.
         let e = Indexed {
-            term: self.highest_term,
+            term: self.state.term,
             index: self.state.index + 1,
             event,
         };
-        self.state = apply(&self.state, &e);
+        self.applied(&e);
         self.persist(Some(&e));
         self.publish(EVENTS_TOPIC, &Published::Event(e));
+    }
+
+    /// Applies one event to the state, keeping why instances go.
+    fn applied(&mut self, e: &Indexed) {
+        if let Event::InstanceRemoved { instance, reason } = &e.event {
+            if self.removed.len() >= 256 {
+                self.removed.clear();
+            }
+            self.removed.insert(instance.clone(), reason.clone());
+        }
+        self.state = apply(&self.state, e);
     }
 
     pub(super) fn persist(&mut self, e: Option<&Indexed>) {
@@ -148,6 +203,13 @@ impl Daemon {
         }
     }
 
+    /// The node that should lead by this node's view of who is alive.
+    fn designated(&self) -> Option<NodeId> {
+        let mut alive: BTreeSet<NodeId> = self.alive.keys().cloned().collect();
+        alive.insert(self.me.clone());
+        shoal_cluster::election::master_of(&alive).cloned()
+    }
+
     pub(super) fn on_published(&mut self, source: &NodeId, p: Published) {
         match p {
             Published::Snapshot { term, state } => {
@@ -155,8 +217,16 @@ impl Daemon {
                     if self.leading && term == self.highest_term && source < &self.me {
                         return; // a lower id with the same term: ours stands
                     }
+                    // Only from the node this one sees as the one to lead: a cut TCP
+                    // connection delivers what was queued in it when the cable is back,
+                    // and a snapshot from minutes ago must not decide the merge.
+                    if self.designated().as_ref() != Some(source) {
+                        return;
+                    }
                     self.highest_term = term;
                     self.leading = false;
+                    self.adopting = false;
+                    self.awaiting = None;
                     self.master = Some(source.clone());
                     self.state = state;
                     self.state.term = term;
@@ -167,8 +237,11 @@ impl Daemon {
                 if e.term < self.highest_term || Some(source) != self.master.as_ref() {
                     return;
                 }
+                if self.awaiting.as_ref().is_some_and(|(m, _)| m == source) {
+                    return; // its branch is about to be replaced by this side's
+                }
                 if e.index == self.state.index + 1 {
-                    self.state = apply(&self.state, &e);
+                    self.applied(&e);
                     self.persist(Some(&e));
                 } else if e.index > self.state.index + 1 {
                     let m = source.clone();

@@ -102,7 +102,16 @@ impl Daemon {
                             && hb.id == source
                         {
                             self.highest_term = self.highest_term.max(hb.term);
-                            self.alive.insert(source, (Instant::now(), hb));
+                            let now = Instant::now();
+                            let since = self.alive.get(&source).map_or(now, |s| s.since);
+                            self.alive.insert(
+                                source,
+                                Seen {
+                                    last: now,
+                                    since,
+                                    hb,
+                                },
+                            );
                         }
                     }
                     COMMANDS_TOPIC if self.leading => {
@@ -194,7 +203,10 @@ impl Daemon {
                     Some(Pending::Place(reply)) => {
                         let _ = reply.send(Err(why));
                     }
-                    Some(Pending::CatchUp) => self.catching_up = false,
+                    Some(Pending::CatchUp) => {
+                        self.catching_up = false;
+                        self.adopting = false;
+                    }
                     Some(Pending::Probe(..)) => {}
                     None => {}
                 }
@@ -245,6 +257,14 @@ impl Daemon {
 
     pub(super) fn on_response(&mut self, id: OutboundRequestId, response: Response) {
         match (self.pending.remove(&id), response) {
+            (Some(Pending::CatchUp), Response::Snapshot { term, state }) if self.adopting => {
+                // The heavier state, whatever its term: lead with it above every term.
+                self.catching_up = false;
+                tracing::info!(index = state.index, term, "took a heavier state");
+                self.highest_term = self.highest_term.max(term);
+                self.state = state;
+                self.take_office(self.highest_term + 1);
+            }
             (Some(Pending::CatchUp), Response::Snapshot { term, state }) => {
                 self.catching_up = false;
                 if term >= self.state.term && state.index >= self.state.index
@@ -265,7 +285,10 @@ impl Daemon {
             (Some(Pending::Probe(peer, sent, bytes)), Response::Probe) => {
                 self.on_probe(peer, sent, bytes)
             }
-            (Some(Pending::CatchUp), _) => self.catching_up = false,
+            (Some(Pending::CatchUp), _) => {
+                self.catching_up = false;
+                self.adopting = false;
+            }
             _ => {}
         }
     }

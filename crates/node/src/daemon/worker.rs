@@ -98,10 +98,25 @@ impl Daemon {
                 Action::OpenPort { instance, rank } => self.open_port(instance, rank),
                 Action::Start { instance, rank } => self.start_runner(&instance, rank),
                 Action::Stop { instance, rank } => {
-                    tracing::info!(instance, rank, "stopping runner");
-                    self.runners.remove(&(instance, rank));
+                    let why = self.stop_reason(&instance);
+                    tracing::info!(instance, rank, why, "stopping runner");
+                    if let Some(r) = self.runners.remove(&(instance, rank)) {
+                        r.stop(why);
+                    }
                 }
             }
+        }
+    }
+
+    /// Why a runner of `instance` is stopped, in words for its clients.
+    fn stop_reason(&self, instance: &str) -> String {
+        let why = match self.state.instances.get(instance).map(|i| &i.status) {
+            Some(InstanceStatus::Failed(r)) => Some(r.clone()),
+            _ => self.removed.get(instance).cloned(),
+        };
+        match why {
+            Some(r) if !r.is_empty() => format!("instance {instance} stopped: {r}"),
+            _ => format!("instance {instance} was removed"),
         }
     }
 
