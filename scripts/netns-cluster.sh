@@ -6,8 +6,8 @@
 #   ip netns exec shoal-sw ip link set p2 down    # cut host 2's cable (and `up` again)
 #   scripts/netns-cluster.sh down
 # Node data and logs live in ${SHOAL_NETNS_DIR:-/tmp/shoal-netns}; host 1 gets the
-# installed smollm2-135m from $SHOAL_HOME if there is one. (A test harness for cargo test
-# is issue 13's next step; this is the manual form.)
+# installed smollm2-135m from $SHOAL_HOME if there is one. The tests use crates/testbed,
+# which also delays, rate-limits and cuts cables; this is the manual form.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${SHOAL_NETNS_DIR:-/tmp/shoal-netns}
