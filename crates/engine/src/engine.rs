@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use shoal_model::Model;
 use shoal_tokenizer::{ChatMessage, Tokenizer};
 
-use crate::{EngineError, LocalSession, Result, Sampler, SamplingParams, Session, StopMatcher};
+use crate::{Decoder, EngineError, LocalSession, Result, SamplingParams, Session};
 
 /// What to generate and when to stop.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -181,57 +181,26 @@ impl Engine {
     ) -> Result<Generation> {
         self.check_prompt(prompt)?;
         session.reset()?;
-        let mut sampler = Sampler::new(params.sampling.clone());
-        let mut stops = StopMatcher::new(&params.stop);
-        let mut stream = self.tokenizer.stream();
-        let mut history = prompt.to_vec();
-        let mut generated = Vec::new();
+        let mut decoder = Decoder::new(self, prompt, params);
         let mut text = String::new();
         let started = Instant::now();
         let mut logits = self.prefill_in(session, prompt, params.prefill_chunk)?;
         let prefill_secs = started.elapsed().as_secs_f64();
         let decode_started = Instant::now();
-        let budget = params
-            .max_tokens
-            .min(self.context_length().saturating_sub(prompt.len()));
-        let mut finish = FinishReason::Length;
-        let mut emit = |piece: &str, text: &mut String| -> bool {
-            text.push_str(piece);
-            piece.is_empty() || on_text(piece)
-        };
-        while generated.len() < budget {
-            let next = if params.sampling.is_greedy() && !logits.device().is_cpu() {
-                // On a GPU: the arg-max there, one id back instead of the whole row.
-                logits.squeeze(0)?.argmax(0)?.to_scalar::<u32>()?
-            } else {
-                let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
-                sampler.sample(&mut row, &history)
-            };
-            if self.tokenizer.stop_ids().contains(&next) {
-                finish = FinishReason::Stop;
+        while decoder.finished().is_none() {
+            let step = decoder.step(&logits)?;
+            text.push_str(&step.text);
+            if !step.text.is_empty() && !on_text(&step.text) {
+                text.push_str(&decoder.cancel());
                 break;
             }
-            generated.push(next);
-            history.push(next);
-            let piece = stream.push(next)?;
-            let (shown, stopped) = stops.push(&piece);
-            if !emit(&shown, &mut text) {
-                finish = FinishReason::Cancelled;
-                break;
+            match step.next {
+                Some(next) => logits = session.forward(&[next], false)?,
+                None => break,
             }
-            if stopped {
-                finish = FinishReason::Stop;
-                break;
-            }
-            if generated.len() == budget {
-                break;
-            }
-            logits = session.forward(&[next], false)?;
         }
-        if finish != FinishReason::Stop {
-            let rest = stops.flush();
-            emit(&rest, &mut text);
-        }
+        let finish = decoder.finished().unwrap_or(FinishReason::Length);
+        let generated = decoder.generated().to_vec();
         Ok(Generation {
             text,
             tokens: generated,

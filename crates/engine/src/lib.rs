@@ -6,6 +6,7 @@
 //! KV caches; it knows nothing of clusters.
 
 mod bench;
+mod decoder;
 mod engine;
 mod error;
 mod loader;
@@ -15,6 +16,7 @@ mod session;
 mod stop;
 
 pub use bench::{BenchConfig, BenchReport, Stats, peak_rss_bytes};
+pub use decoder::{Decoded, Decoder};
 pub use engine::{Engine, FinishReason, GenerateParams, Generation};
 pub use error::{EngineError, Result};
 pub use loader::{LoadOptions, gguf_vocab, model_config};

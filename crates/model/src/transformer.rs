@@ -9,9 +9,11 @@ use std::sync::Arc;
 use shoal_kernels::QuantMatrix;
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
+mod batch;
 mod decode_attention;
 mod ring;
 
+pub use batch::BatchPart;
 pub use ring::zigzag_pieces;
 
 use crate::shard::{ShardLinks, TensorSlice, slice_bias, slice_cols, slice_rows};
@@ -572,18 +574,39 @@ impl Model {
         x: &Tensor,
         pieces: &[Range<usize>],
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let t = x.dim(0)?;
+        let (q, k, v) = self.qkv_rows(layer, x)?;
+        self.qkv_heads(layer, q, k, v, pieces)
+    }
+
+    /// The normed input's query, key and value projections `(t, heads * head_dim)`, as
+    /// one matmul over all rows.
+    fn qkv_rows(&self, layer: &DecoderLayer, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let h = layer.attn_norm.forward(x)?;
+        let a = &layer.attn;
+        let [q, k, v]: [Tensor; 3] = QLinear::forward_many(&[&a.q, &a.k, &a.v], &h)?
+            .try_into()
+            .map_err(|_| ModelError::Invalid("three projections, three outputs".into()))?;
+        Ok((q, k, v))
+    }
+
+    /// Projections `(t, heads * head_dim)` as heads `(heads, t, head_dim)`, normed where the
+    /// model norms them, rope applied at the positions of `pieces`.
+    fn qkv_heads(
+        &self,
+        layer: &DecoderLayer,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        pieces: &[Range<usize>],
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let t = q.dim(0)?;
         let hd = self.config.head_dim;
         let (nh, nkv) = self.local_heads();
-        let h = layer.attn_norm.forward(x)?;
         let a = &layer.attn;
         // (t, heads * hd) -> (heads, t, hd)
         let heads = |y: Tensor, n: usize| -> Result<Tensor> {
             Ok(y.reshape((t, n, hd))?.transpose(0, 1)?.contiguous()?)
         };
-        let [q, k, v]: [Tensor; 3] = QLinear::forward_many(&[&a.q, &a.k, &a.v], &h)?
-            .try_into()
-            .map_err(|_| ModelError::Invalid("three projections, three outputs".into()))?;
         let mut q = heads(q, nh)?;
         let mut k = heads(k, nkv)?;
         let v = heads(v, nkv)?;
@@ -635,17 +658,30 @@ impl Model {
         mask: Option<&Tensor>,
         links: &mut Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
-        let c = &self.config;
         let t = x.dim(0)?;
-        let hd = c.head_dim;
-        let (nh, nkv) = self.local_heads();
         let whole = pos..pos + t;
         let (q, k, v) = self.project_qkv(layer, x, std::slice::from_ref(&whole))?;
         let (k_all, v_all) = cache.append(layer.index, &k, &v)?;
+        let out = self.attend(&q, &k_all, &v_all, mask)?;
+        self.finish_layer(layer, x, &out, links)
+    }
+
+    /// Attention of queries `(heads, t, hd)` over a sequence's keys and values so far;
+    /// `(t, heads * hd)`.
+    fn attend(
+        &self,
+        q: &Tensor,
+        k_all: &Tensor,
+        v_all: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let t = q.dim(1)?;
+        let hd = c.head_dim;
+        let (nh, nkv) = self.local_heads();
         if t == 1 && self.compute.device.is_cpu() && q.dtype() == DType::F32 {
             let scale = 1.0 / (hd as f32).sqrt();
-            let out = decode_attention::decode_attention(&q, &k_all, &v_all, scale)?;
-            return self.finish_layer(layer, x, &out, links);
+            return Ok(decode_attention::decode_attention(q, k_all, v_all, scale)?);
         }
         // Grouped-query attention without copying K/V: the query heads of one KV group
         // are adjacent, so (nh, t, hd) is (nkv, group * t, hd).
@@ -659,12 +695,11 @@ impl Model {
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = probs.matmul(&v_all.contiguous()?)?; // (nkv, g*t, hd)
-        let out = out
+        Ok(out
             .reshape((nh, t, hd))?
             .transpose(0, 1)?
             .contiguous()?
-            .reshape((t, nh * hd))?;
-        self.finish_layer(layer, x, &out, links)
+            .reshape((t, nh * hd))?)
     }
 
     /// Final norm and logits `(t, vocab)` for hidden states `(t, hidden)`.

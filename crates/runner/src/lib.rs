@@ -23,4 +23,4 @@ pub mod step;
 pub use rank::{Rank, RankError};
 pub use session::{SplitModel, SplitSession};
 pub use shard::{ShardSpec, Strategy, plan};
-pub use step::{Logits, Step};
+pub use step::{Logits, Part, Step};

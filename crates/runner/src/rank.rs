@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use shoal_collectives::{CollectiveError, Group, Transport, f32s_from_bytes, f32s_to_bytes};
-use shoal_model::{KvCache, Model, ModelError, ShardLinks, zigzag_pieces};
+use shoal_model::{BatchPart, KvCache, Model, ModelError, ShardLinks, zigzag_pieces};
 
 use crate::shard::{ShardSpec, Strategy};
-use crate::step::{Logits, Step};
+use crate::step::{Logits, Part, Step};
 
 /// Why a rank stopped or a step failed.
 #[derive(Debug, thiserror::Error)]
@@ -328,28 +328,48 @@ impl<T: Transport> Rank<T> {
         }
         // Refuse bad input here, before any rank starts: every rank would fail alike,
         // and a failed rank leaves the instance.
-        if let Step::Forward { seq, tokens, .. } = step {
-            let vocab = self.model.config().vocab_size;
-            if tokens.is_empty() {
-                return Err(RankError::Invalid("no tokens to run".into()));
+        match step {
+            Step::Forward { seq, tokens, .. } => self.check_part(*seq, tokens)?,
+            Step::Batch { parts } => {
+                let mut seen = std::collections::HashSet::new();
+                for p in parts {
+                    if !seen.insert(p.seq) {
+                        return Err(RankError::Invalid(format!(
+                            "sequence {} twice in one batch",
+                            p.seq
+                        )));
+                    }
+                    self.check_part(p.seq, &p.tokens)?;
+                }
             }
-            if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(RankError::Invalid(format!(
-                    "token id {bad} is outside the vocabulary of {vocab}"
-                )));
-            }
-            let len = self.len(*seq);
-            if len + tokens.len() > self.model.max_len() {
-                return Err(RankError::Invalid(format!(
-                    "sequence of {} positions exceeds the context of {}",
-                    len + tokens.len(),
-                    self.model.max_len()
-                )));
-            }
+            _ => {}
         }
         let mut bytes = step.encode();
         self.group.broadcast(0, &mut bytes)?;
         self.execute(step)
+    }
+
+    /// Refuses what every rank would fail on alike: no tokens, a token outside the
+    /// vocabulary, a sequence past the context.
+    fn check_part(&self, seq: u64, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config().vocab_size;
+        if tokens.is_empty() {
+            return Err(RankError::Invalid("no tokens to run".into()));
+        }
+        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RankError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {vocab}"
+            )));
+        }
+        let len = self.len(seq);
+        if len + tokens.len() > self.model.max_len() {
+            return Err(RankError::Invalid(format!(
+                "sequence of {} positions exceeds the context of {}",
+                len + tokens.len(),
+                self.model.max_len()
+            )));
+        }
+        Ok(())
     }
 
     /// Ranks other than 0: executes rank 0's steps until it says to shut down. Any
@@ -374,55 +394,12 @@ impl<T: Transport> Rank<T> {
                 seq,
                 tokens,
                 logits,
-            } => {
-                let mut cache = self
-                    .caches
-                    .remove(seq)
-                    .unwrap_or_else(|| self.model.new_cache());
-                let _span = tracing::debug_span!(
-                    "step",
-                    rank = self.spec.rank,
-                    seq,
-                    tokens = tokens.len(),
-                    pos = cache.len()
-                )
-                .entered();
-                #[cfg(feature = "nccl")]
-                if let Some((comm, _)) = &self.gpus {
-                    comm.step_started();
-                }
-                #[cfg(feature = "nccl")]
-                let started = std::time::Instant::now();
-                let result = match self.spec.strategy {
-                    Strategy::Pipeline => self.forward_pipeline(&mut cache, tokens, *logits),
-                    Strategy::Tensor => self.forward_tensor(&mut cache, tokens, *logits),
-                    Strategy::Sequence => self.forward_sequence(&mut cache, tokens, *logits),
-                };
-                // NCCL work is queued on the GPU: wait for it, so that a step ends when
-                // its reductions did, and an abort by the watchdog fails this step.
-                #[cfg(feature = "nccl")]
-                let result = match &self.gpus {
-                    Some((comm, _)) => {
-                        let queued = started.elapsed();
-                        let synced = comm
-                            .stream()
-                            .synchronize()
-                            .map_err(|e| RankError::Tensor(format!("CUDA: {e}")));
-                        let finished = comm.step_finished().map_err(RankError::from);
-                        tracing::debug!(
-                            rank = self.spec.rank,
-                            tokens = tokens.len(),
-                            queued_us = queued.as_micros() as u64,
-                            done_us = started.elapsed().as_micros() as u64,
-                            "step on the GPU"
-                        );
-                        finished.and(synced).and(result)
-                    }
-                    None => result,
-                };
-                self.caches.insert(*seq, cache);
-                result
-            }
+            } => self.execute_batch(&[Part {
+                seq: *seq,
+                tokens: tokens.clone(),
+                logits: *logits,
+            }]),
+            Step::Batch { parts } => self.execute_batch(parts),
             Step::Reset { seq } => {
                 if let Some(c) = self.caches.get_mut(seq) {
                     c.clear();
@@ -437,7 +414,80 @@ impl<T: Transport> Rank<T> {
         }
     }
 
-    /// The logits `want` asks for (`None` computes nothing).
+    /// One forward pass over the parts' new tokens; the wanted logits rows in part order.
+    fn execute_batch(&mut self, parts: &[Part]) -> Result<Option<Tensor>> {
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        let mut caches: Vec<KvCache> = parts
+            .iter()
+            .map(|p| {
+                self.caches
+                    .remove(&p.seq)
+                    .unwrap_or_else(|| self.model.new_cache())
+            })
+            .collect();
+        let tokens: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        let _span =
+            tracing::debug_span!("step", rank = self.spec.rank, parts = parts.len(), tokens)
+                .entered();
+        #[cfg(feature = "nccl")]
+        if let Some((comm, _)) = &self.gpus {
+            comm.step_started();
+        }
+        #[cfg(feature = "nccl")]
+        let started = std::time::Instant::now();
+        let result = match self.spec.strategy {
+            Strategy::Pipeline => self.forward_pipeline(&mut caches, parts),
+            Strategy::Tensor => self.forward_tensor(&mut caches, parts),
+            Strategy::Sequence => self.forward_sequence_batch(&mut caches, parts),
+        };
+        // NCCL work is queued on the GPU: wait for it, so that a step ends when its
+        // reductions did, and an abort by the watchdog fails this step.
+        #[cfg(feature = "nccl")]
+        let result = match &self.gpus {
+            Some((comm, _)) => {
+                let queued = started.elapsed();
+                let synced = comm
+                    .stream()
+                    .synchronize()
+                    .map_err(|e| RankError::Tensor(format!("CUDA: {e}")));
+                let finished = comm.step_finished().map_err(RankError::from);
+                tracing::debug!(
+                    rank = self.spec.rank,
+                    tokens,
+                    queued_us = queued.as_micros() as u64,
+                    done_us = started.elapsed().as_micros() as u64,
+                    "step on the GPU"
+                );
+                finished.and(synced).and(result)
+            }
+            None => result,
+        };
+        for (p, c) in parts.iter().zip(caches) {
+            self.caches.insert(p.seq, c);
+        }
+        result
+    }
+
+    /// The logits of the rows `parts` want (none: nothing is computed).
+    fn head_rows(&self, h: Tensor, parts: &[Part]) -> Result<Option<Tensor>> {
+        let rows = wanted_rows(parts);
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let h = if rows.len() == h.dim(0)? {
+            h
+        } else if let [only] = rows[..] {
+            h.narrow(0, only as usize, 1)?
+        } else {
+            let idx = Tensor::new(rows.as_slice(), h.device())?;
+            h.index_select(&idx, 0)?
+        };
+        Ok(Some(self.model.head(&h)?))
+    }
+
+    /// The logits `want` asks for, of one sequence's rows.
     fn head(&self, h: Tensor, want: Logits) -> Result<Option<Tensor>> {
         let t = h.dim(0)?;
         let h = match want {
@@ -448,20 +498,31 @@ impl<T: Transport> Rank<T> {
         Ok(Some(self.model.head(&h)?))
     }
 
-    /// Hidden states flow rank 0 → 1 → … → last; the last rank computes the logits and
-    /// returns them to rank 0.
+    /// Every part's cache and rows, for the model's batched forward.
+    fn batch_parts<'c>(caches: &'c mut [KvCache], parts: &[Part]) -> Vec<BatchPart<'c>> {
+        caches
+            .iter_mut()
+            .zip(parts)
+            .map(|(cache, p)| BatchPart {
+                cache,
+                rows: p.tokens.len(),
+            })
+            .collect()
+    }
+
+    /// Hidden states flow rank 0 → 1 → … → last; the last rank computes the wanted
+    /// logits and returns them to rank 0.
     fn forward_pipeline(
         &mut self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        want: Logits,
+        caches: &mut [KvCache],
+        parts: &[Part],
     ) -> Result<Option<Tensor>> {
         let (r, n) = (self.spec.rank, self.spec.world);
-        let t = tokens.len();
+        let t: usize = parts.iter().map(|p| p.tokens.len()).sum();
         let hidden = self.model.config().hidden_size;
         let vocab = self.model.config().vocab_size;
         let h = if r == 0 {
-            self.model.embed(tokens)?
+            self.model.embed(&all_tokens(parts))?
         } else {
             let b = self.group.recv(r - 1)?;
             let c = self.model.compute();
@@ -469,11 +530,12 @@ impl<T: Transport> Rank<T> {
                 .to_dtype(c.dtype)?
                 .to_device(&c.device)?
         };
-        let h = self.model.forward_layers(h, cache)?;
+        let mut batch = Self::batch_parts(caches, parts);
+        let h = self.model.forward_layers_batch(h, &mut batch, None)?;
         if r + 1 < n {
             self.group.send(r + 1, &to_bytes(&h)?)?;
         } else {
-            let logits = self.head(h, want)?;
+            let logits = self.head_rows(h, parts)?;
             if r == 0 {
                 return Ok(logits);
             }
@@ -482,12 +544,8 @@ impl<T: Transport> Rank<T> {
             }
             return Ok(None);
         }
-        let rows = match want {
-            Logits::None => return Ok(None),
-            Logits::Last => 1,
-            Logits::All => t,
-        };
-        if r == 0 {
+        let rows = wanted_rows(parts).len();
+        if r == 0 && rows > 0 {
             let b = self.group.recv(n - 1)?;
             return Ok(Some(to_tensor(&b, rows, vocab, n - 1)?));
         }
@@ -495,23 +553,70 @@ impl<T: Transport> Rank<T> {
     }
 
     /// Every rank runs its slice of every layer on the same hidden states; the partial
-    /// outputs are summed by all-reduces inside the layers. Rank 0 holds the head.
-    fn forward_tensor(
-        &mut self,
-        cache: &mut KvCache,
-        tokens: &[u32],
-        want: Logits,
-    ) -> Result<Option<Tensor>> {
-        let h = self.model.embed(tokens)?;
+    /// outputs are summed by all-reduces inside the layers (one per half-layer for the
+    /// whole batch). Rank 0 holds the head.
+    fn forward_tensor(&mut self, caches: &mut [KvCache], parts: &[Part]) -> Result<Option<Tensor>> {
+        let h = self.model.embed(&all_tokens(parts))?;
         let mut links = Links {
             group: &mut self.group,
             gpus: self.gpus.as_ref(),
         };
-        let h = self.model.forward_layers_with(h, cache, Some(&mut links))?;
+        let mut batch = Self::batch_parts(caches, parts);
+        let h = self
+            .model
+            .forward_layers_batch(h, &mut batch, Some(&mut links))?;
         if self.spec.rank == 0 {
-            return self.head(h, want);
+            return self.head_rows(h, parts);
         }
         Ok(None)
+    }
+
+    /// Parts long enough for ring attention run one at a time as a ring; the others
+    /// (decode steps) run together, on every rank alike, without communication.
+    fn forward_sequence_batch(
+        &mut self,
+        caches: &mut [KvCache],
+        parts: &[Part],
+    ) -> Result<Option<Tensor>> {
+        let n = self.spec.world;
+        let ring = |p: &Part| n > 1 && p.tokens.len() >= 2 * n;
+        let mut out: Vec<Option<Tensor>> = vec![None; parts.len()];
+        let short: Vec<usize> = (0..parts.len()).filter(|&i| !ring(&parts[i])).collect();
+        if !short.is_empty() {
+            let sub: Vec<Part> = short.iter().map(|&i| parts[i].clone()).collect();
+            let mut sub_caches: Vec<KvCache> = short
+                .iter()
+                .map(|&i| std::mem::replace(&mut caches[i], KvCache::new(0, 0, 0)))
+                .collect();
+            let h = self.model.embed(&all_tokens(&sub))?;
+            let mut batch = Self::batch_parts(&mut sub_caches, &sub);
+            let result = self.model.forward_layers_batch(h, &mut batch, None);
+            for (&i, c) in short.iter().zip(sub_caches) {
+                caches[i] = c;
+            }
+            let h = result?;
+            if self.spec.rank == 0
+                && let Some(logits) = self.head_rows(h, &sub)?
+            {
+                let mut row = 0;
+                for (&i, p) in short.iter().zip(&sub) {
+                    let k = wanted_rows(std::slice::from_ref(p)).len();
+                    if k > 0 {
+                        out[i] = Some(logits.narrow(0, row, k)?);
+                        row += k;
+                    }
+                }
+            }
+        }
+        for i in (0..parts.len()).filter(|&i| ring(&parts[i])) {
+            out[i] = self.forward_sequence(&mut caches[i], &parts[i].tokens, parts[i].logits)?;
+        }
+        let rows: Vec<Tensor> = out.into_iter().flatten().collect();
+        Ok(if rows.is_empty() {
+            None
+        } else {
+            Some(Tensor::cat(&rows, 0)?)
+        })
     }
 
     /// Chunks of at least two positions per piece run as ring attention: every rank
@@ -579,6 +684,30 @@ impl<T: Transport> Rank<T> {
             .ok_or_else(|| RankError::Protocol("a position's logits are missing".into()))?;
         Ok(Some(Tensor::cat(&rows, 0)?))
     }
+}
+
+/// The tokens of all parts, one part after another.
+fn all_tokens(parts: &[Part]) -> Vec<u32> {
+    parts
+        .iter()
+        .flat_map(|p| p.tokens.iter().copied())
+        .collect()
+}
+
+/// The rows of a batch whose logits its parts want, in order.
+fn wanted_rows(parts: &[Part]) -> Vec<u32> {
+    let mut rows = Vec::new();
+    let mut at = 0u32;
+    for p in parts {
+        let t = p.tokens.len() as u32;
+        match p.logits {
+            Logits::None => {}
+            Logits::Last => rows.push(at + t - 1),
+            Logits::All => rows.extend(at..at + t),
+        }
+        at += t;
+    }
+    rows
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use shoal_engine::{EngineError, Session};
 use shoal_model::Tensor;
 
 use crate::rank::{Rank, RankError};
-use crate::step::{Logits, Step};
+use crate::step::{Logits, Part, Step};
 
 /// A model split across ranks, led from this process (rank 0).
 pub struct SplitModel<T: Transport> {
@@ -39,9 +39,34 @@ impl<T: Transport> SplitModel<T> {
 
     /// A new, empty sequence.
     pub fn session(&self) -> SplitSession<'_, T> {
+        SplitSession {
+            model: self,
+            seq: self.open(),
+        }
+    }
+
+    /// A new sequence id for [`SplitModel::forward_batch`] (its caches are made on every
+    /// rank by its first step).
+    pub fn open(&self) -> u64 {
         let seq = self.next_seq.get();
         self.next_seq.set(seq + 1);
-        SplitSession { model: self, seq }
+        seq
+    }
+
+    /// One forward pass over several sequences at once (continuous batching): the logits
+    /// rows the parts want, in part order; `None` when no part wants any.
+    pub fn forward_batch(&self, parts: Vec<Part>) -> shoal_engine::Result<Option<Tensor>> {
+        self.lead(&Step::Batch { parts })
+    }
+
+    /// Frees sequence `seq`'s caches on every rank.
+    pub fn release(&self, seq: u64) -> shoal_engine::Result<()> {
+        self.lead(&Step::Release { seq }).map(|_| ())
+    }
+
+    /// Why the model is broken, once a step has failed past repair.
+    pub fn broken(&self) -> Option<String> {
+        self.broken.borrow().clone()
     }
 
     /// Sequences the ranks hold caches for.

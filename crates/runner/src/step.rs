@@ -24,6 +24,14 @@ impl Logits {
     }
 }
 
+/// One sequence's share of a batched step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    pub seq: u64,
+    pub tokens: Vec<u32>,
+    pub logits: Logits,
+}
+
 /// What every rank does next.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -34,6 +42,10 @@ pub enum Step {
         tokens: Vec<u32>,
         logits: Logits,
     },
+    /// Append each part's tokens to its sequence in one forward pass (continuous
+    /// batching: decode tokens of many sequences and a slice of a prompt together). The
+    /// logits come back as the wanted rows of every part, in part order.
+    Batch { parts: Vec<Part> },
     /// Empty sequence `seq`.
     Reset { seq: u64 },
     /// Forget sequence `seq` and free its cache.
@@ -46,6 +58,7 @@ const FORWARD: u8 = 1;
 const RESET: u8 = 2;
 const SHUTDOWN: u8 = 3;
 const RELEASE: u8 = 4;
+const BATCH: u8 = 5;
 
 fn seq_at(b: &[u8], at: usize) -> Result<u64, String> {
     b.get(at..at + 8)
@@ -54,9 +67,40 @@ fn seq_at(b: &[u8], at: usize) -> Result<u64, String> {
         .ok_or_else(|| format!("step of {} bytes has no sequence id", b.len()))
 }
 
+fn u32_at(b: &[u8], at: usize) -> Result<u32, String> {
+    b.get(at..at + 4)
+        .and_then(|s| s.try_into().ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| format!("step of {} bytes ends inside a count", b.len()))
+}
+
+fn logits_of(byte: u8) -> Result<Logits, String> {
+    match byte {
+        0 => Ok(Logits::Last),
+        1 => Ok(Logits::All),
+        2 => Ok(Logits::None),
+        v => Err(format!("forward step with logits flag {v}")),
+    }
+}
+
 impl Step {
     pub fn encode(&self) -> Vec<u8> {
         match self {
+            Self::Batch { parts } => {
+                let tokens: usize = parts.iter().map(|p| p.tokens.len()).sum();
+                let mut b = Vec::with_capacity(5 + 13 * parts.len() + 4 * tokens);
+                b.push(BATCH);
+                b.extend_from_slice(&(parts.len() as u32).to_le_bytes());
+                for p in parts {
+                    b.push(p.logits.byte());
+                    b.extend_from_slice(&p.seq.to_le_bytes());
+                    b.extend_from_slice(&(p.tokens.len() as u32).to_le_bytes());
+                    for t in &p.tokens {
+                        b.extend_from_slice(&t.to_le_bytes());
+                    }
+                }
+                b
+            }
             Self::Forward {
                 seq,
                 tokens,
@@ -80,16 +124,41 @@ impl Step {
 
     pub fn decode(b: &[u8]) -> Result<Self, String> {
         match b.first() {
+            Some(&BATCH) => {
+                let count = u32_at(b, 1)? as usize;
+                let mut at = 5;
+                let mut parts = Vec::with_capacity(count.min(4096));
+                for _ in 0..count {
+                    let logits = logits_of(*b.get(at).ok_or("a batch step ends early")?)?;
+                    let seq = seq_at(b, at + 1)?;
+                    let n = u32_at(b, at + 9)? as usize;
+                    at += 13;
+                    let end = n
+                        .checked_mul(4)
+                        .and_then(|len| at.checked_add(len))
+                        .filter(|&end| end <= b.len())
+                        .ok_or_else(|| format!("batch step of {} bytes for {n} tokens", b.len()))?;
+                    let tokens = b[at..end]
+                        .chunks_exact(4)
+                        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect();
+                    at = end;
+                    parts.push(Part {
+                        seq,
+                        tokens,
+                        logits,
+                    });
+                }
+                if at != b.len() {
+                    return Err(format!("batch step with {} bytes left over", b.len() - at));
+                }
+                Ok(Self::Batch { parts })
+            }
             Some(&FORWARD) => {
                 if b.len() < 14 {
                     return Err(format!("forward step of {} bytes", b.len()));
                 }
-                let logits = match b[1] {
-                    0 => Logits::Last,
-                    1 => Logits::All,
-                    2 => Logits::None,
-                    v => return Err(format!("forward step with logits flag {v}")),
-                };
+                let logits = logits_of(b[1])?;
                 let seq = seq_at(b, 2)?;
                 let n = u32::from_le_bytes([b[10], b[11], b[12], b[13]]) as usize;
                 if b.len() != 14 + 4 * n {
@@ -139,6 +208,21 @@ mod tests {
             Step::Reset { seq: 3 },
             Step::Release { seq: 4 },
             Step::Shutdown,
+            Step::Batch { parts: vec![] },
+            Step::Batch {
+                parts: vec![
+                    Part {
+                        seq: 1,
+                        tokens: vec![4],
+                        logits: Logits::Last,
+                    },
+                    Part {
+                        seq: 9,
+                        tokens: vec![1, 2, 3],
+                        logits: Logits::None,
+                    },
+                ],
+            },
         ] {
             assert_eq!(Step::decode(&s.encode()), Ok(s));
         }
@@ -156,6 +240,22 @@ mod tests {
         flag[1] = 7;
         assert!(Step::decode(&flag).is_err());
         assert!(Step::decode(&[2, 0]).is_err());
+        // A batch that claims more parts or tokens than it carries.
+        let mut batch = Step::Batch {
+            parts: vec![Part {
+                seq: 1,
+                tokens: vec![4, 5],
+                logits: Logits::All,
+            }],
+        }
+        .encode();
+        assert!(Step::decode(&batch[..batch.len() - 1]).is_err());
+        batch[1] = 2;
+        assert!(Step::decode(&batch).is_err());
+        let mut huge = vec![BATCH, 1, 0, 0, 0, 0];
+        huge.extend_from_slice(&7u64.to_le_bytes());
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(Step::decode(&huge).is_err());
         assert!(Step::decode(&[3, 0]).is_err());
     }
 }

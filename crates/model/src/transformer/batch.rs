@@ -1,0 +1,107 @@
+//! Continuous batching in the model: one forward pass over the new positions of several
+//! sequences, each with its own cache. The projections and the FFN see all rows at once
+//! (one matmul, and one all-reduce per half-layer on a tensor-parallel shard); attention
+//! runs per sequence against its own keys and values.
+
+use candle_core::Tensor;
+
+use super::{DecoderLayer, Model, causal_mask};
+use crate::{KvCache, ModelError, Result, ShardLinks};
+
+/// One sequence's share of a batched forward ([`Model::forward_layers_batch`]): its cache
+/// and how many of the batch's rows are its new positions.
+pub struct BatchPart<'c> {
+    pub cache: &'c mut KvCache,
+    pub rows: usize,
+}
+
+impl Model {
+    /// Runs the decoder layers over the new positions of several sequences at once:
+    /// `hidden` holds their rows one sequence after another, `parts` says whose they are
+    /// (each part's cache gets its own rows' keys and values). The projections and the
+    /// FFN are one matmul over all rows (and, for a tensor-parallel shard, one all-reduce
+    /// each); attention runs per sequence. Equal to one [`Model::forward_layers_with`]
+    /// per part, up to the order of float sums inside the batched matmuls.
+    pub fn forward_layers_batch(
+        &self,
+        hidden: Tensor,
+        parts: &mut [BatchPart<'_>],
+        links: Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        if let [one] = parts {
+            return self.forward_layers_with(hidden, one.cache, links);
+        }
+        let mut links = links;
+        if self.spec.tensor.is_some() && links.is_none() {
+            return Err(ModelError::Invalid(
+                "a tensor-parallel shard needs links to its peers".into(),
+            ));
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        if rows != hidden.dim(0)? || parts.iter().any(|p| p.rows == 0) {
+            return Err(ModelError::Invalid(format!(
+                "a batch of {} rows for parts of {:?} rows",
+                hidden.dim(0)?,
+                parts.iter().map(|p| p.rows).collect::<Vec<_>>()
+            )));
+        }
+        let starts: Vec<usize> = parts.iter().map(|p| p.cache.len()).collect();
+        let mut masks = Vec::with_capacity(parts.len());
+        for (p, &pos) in parts.iter().zip(&starts) {
+            if pos + p.rows > self.max_len {
+                return Err(ModelError::Invalid(format!(
+                    "sequence of {} positions exceeds the context of {}",
+                    pos + p.rows,
+                    self.max_len
+                )));
+            }
+            masks.push(causal_mask(
+                p.rows,
+                pos,
+                self.config.group_size(),
+                &self.compute,
+            )?);
+        }
+        let mut x = hidden;
+        for layer in &self.layers {
+            x = self.layer_forward_batch(layer, &x, parts, &starts, &masks, &mut links)?;
+        }
+        for p in parts.iter_mut() {
+            p.cache.advance(p.rows);
+        }
+        Ok(x)
+    }
+
+    /// One layer over the rows of several sequences (`parts`, in row order, each at
+    /// `starts[i]`): the projections and the FFN as one matmul over all rows, attention
+    /// per sequence against its own cache.
+    fn layer_forward_batch(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        parts: &mut [BatchPart<'_>],
+        starts: &[usize],
+        masks: &[Option<Tensor>],
+        links: &mut Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        let (q, k, v) = self.qkv_rows(layer, x)?;
+        let mut outs = Vec::with_capacity(parts.len());
+        let mut row = 0;
+        for (i, part) in parts.iter_mut().enumerate() {
+            let (r, pos) = (part.rows, starts[i]);
+            let rows = |y: &Tensor| y.narrow(0, row, r);
+            let (qi, ki, vi) = self.qkv_heads(
+                layer,
+                rows(&q)?,
+                rows(&k)?,
+                rows(&v)?,
+                std::slice::from_ref(&(pos..pos + r)),
+            )?;
+            let (k_all, v_all) = part.cache.append(layer.index, &ki, &vi)?;
+            outs.push(self.attend(&qi, &k_all, &v_all, masks[i].as_ref())?);
+            row += r;
+        }
+        let out = Tensor::cat(&outs, 0)?;
+        self.finish_layer(layer, x, &out, links)
+    }
+}
