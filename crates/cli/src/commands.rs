@@ -14,7 +14,10 @@ use shoal_engine::{
     BenchConfig, Engine, GenerateParams, LoadOptions, SamplingParams, Session, model_config,
 };
 use shoal_model::Compute;
+use shoal_runner::control::FromRunner;
 use shoal_runner::launch::{Launch, LocalRanks, TOKEN_ENV, launch as launch_ranks, rank_devices};
+use shoal_runner::link::Link;
+use shoal_runner::serve::{ServeConfig, serve};
 use shoal_runner::{Rank, SplitModel, Strategy, plan};
 use shoal_store::{Resolved, Store, builtin_cards};
 use shoal_tokenizer::ChatMessage;
@@ -165,6 +168,9 @@ struct RankArgs {
     /// the node bound it, so no other process can take the port in between.
     #[arg(long)]
     listen_fd: Option<i32>,
+    /// Rank 0: sequences served at once (continuous batching).
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
 }
 
 #[derive(Args, Debug)]
@@ -427,18 +433,24 @@ impl Loaded {
 
 fn serve_rank(args: RankArgs) -> Result<()> {
     set_threads(args.threads);
-    let control = args.control.as_deref().map(Control::connect).transpose()?;
+    let control = args
+        .control
+        .as_deref()
+        .map(|p| {
+            Link::connect(p).with_context(|| format!("cannot reach the node at {}", p.display()))
+        })
+        .transpose()?;
     if let Some(c) = &control {
-        c.status(&RunnerStatus::Connecting);
+        c.status(RunnerStatus::Connecting);
     }
     let result = serve_rank_inner(&args, control.as_ref());
     if let (Some(c), Err(e)) = (&control, &result) {
-        c.status(&RunnerStatus::Failed(format!("{e:#}")));
+        c.status(RunnerStatus::Failed(format!("{e:#}")));
     }
     result
 }
 
-fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
+fn serve_rank_inner(args: &RankArgs, control: Option<&Link>) -> Result<()> {
     let token = std::env::var(TOKEN_ENV).with_context(|| format!("{TOKEN_ENV} is not set"))?;
     let world = args.addrs.len();
     let addr = *args
@@ -458,7 +470,7 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         listener,
     )?;
     if let Some(c) = control {
-        c.status(&RunnerStatus::Loading(0.0));
+        c.status(RunnerStatus::Loading(0.0));
     }
     let config = model_config(&args.model)?;
     let spec = plan(&config, args.strategy, world)?
@@ -475,7 +487,7 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
     let mut rank = Rank::new(spec, engine.shared_model(), Group::new(transport, deadline))?;
     rank.connect_devices()?;
     if let Some(c) = control {
-        c.status(&RunnerStatus::Ready);
+        c.status(RunnerStatus::Ready);
     }
     if args.rank > 0 {
         rank.follow()
@@ -486,128 +498,12 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Control>) -> Result<()> {
         bail!("rank 0 without --control has nothing to answer");
     };
     let model = SplitModel::new(rank);
-    let answered = control.serve(&engine, &model);
+    let inbox = control.inbox().context("the control inbox was taken")?;
+    let config = ServeConfig::new(engine.context_length(), args.max_batch);
+    let send = |m: FromRunner| control.send(&m);
+    let served = serve(&engine, &model, &inbox, &send, config);
     let _ = model.shutdown();
-    answered
-}
-
-/// A runner's line to its node: JSON lines out (status, heartbeats, answers), requests in.
-struct Control {
-    writer: std::sync::Arc<std::sync::Mutex<std::os::unix::net::UnixStream>>,
-    reader: std::sync::Mutex<std::io::BufReader<std::os::unix::net::UnixStream>>,
-}
-
-impl Control {
-    fn connect(path: &std::path::Path) -> Result<Self> {
-        let stream = std::os::unix::net::UnixStream::connect(path)
-            .with_context(|| format!("cannot reach the node at {}", path.display()))?;
-        let reader = std::io::BufReader::new(stream.try_clone()?);
-        let writer = std::sync::Arc::new(std::sync::Mutex::new(stream));
-        // Heartbeats from a thread of their own: the node tells a frozen process from a
-        // busy one. When the node is gone the write fails and the runner leaves.
-        let beat = std::sync::Arc::clone(&writer);
-        std::thread::spawn(move || {
-            let mut n = 0u64;
-            loop {
-                n += 1;
-                let line = format!("{}\n", serde_json::json!({ "heartbeat": n }));
-                let ok = beat
-                    .lock()
-                    .map(|mut w| w.write_all(line.as_bytes()).is_ok())
-                    .unwrap_or(false);
-                if !ok {
-                    eprintln!("error: the node closed this runner's control socket");
-                    std::process::exit(1);
-                }
-                std::thread::sleep(Duration::from_secs(1));
-            }
-        });
-        Ok(Self {
-            writer,
-            reader: std::sync::Mutex::new(reader),
-        })
-    }
-
-    fn send(&self, v: serde_json::Value) -> bool {
-        let line = format!("{v}\n");
-        self.writer
-            .lock()
-            .map(|mut w| w.write_all(line.as_bytes()).is_ok())
-            .unwrap_or(false)
-    }
-
-    fn status(&self, s: &RunnerStatus) {
-        self.send(serde_json::json!({ "status": s }));
-    }
-
-    /// Rank 0: answers the node's requests one at a time until the node goes away.
-    fn serve(&self, engine: &Engine, model: &SplitModel<TcpTransport>) -> Result<()> {
-        loop {
-            let mut line = String::new();
-            let n = self
-                .reader
-                .lock()
-                .map_err(|_| anyhow::anyhow!("control reader poisoned"))?
-                .read_line(&mut line)?;
-            if n == 0 {
-                return Ok(()); // the node closed the socket
-            }
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
-                self.send(serde_json::json!({ "error": "a request that is not JSON" }));
-                continue;
-            };
-            let Some(req) = v.get("generate") else {
-                continue;
-            };
-            self.status(&RunnerStatus::Running);
-            let result = self.answer(engine, model, req);
-            self.status(&RunnerStatus::Ready);
-            match result {
-                Ok(()) => {
-                    self.send(serde_json::json!({ "done": true }));
-                }
-                Err(e) => {
-                    self.send(serde_json::json!({ "error": format!("{e:#}") }));
-                    if e.to_string().contains("split model failed") {
-                        return Err(e); // the instance is broken: leave so it is placed again
-                    }
-                }
-            }
-        }
-    }
-
-    fn answer(
-        &self,
-        engine: &Engine,
-        model: &SplitModel<TcpTransport>,
-        req: &serde_json::Value,
-    ) -> Result<()> {
-        let prompt = req
-            .get("prompt")
-            .and_then(|p| p.as_str())
-            .unwrap_or_default();
-        let raw = req.get("raw").and_then(|r| r.as_bool()).unwrap_or(false);
-        let ids = if raw {
-            engine.raw_prompt(prompt)?
-        } else {
-            engine.chat_prompt(&[ChatMessage::new("user", prompt)])?
-        };
-        let num = |k: &str| req.get(k).and_then(|v| v.as_f64());
-        let params = GenerateParams {
-            max_tokens: num("max_tokens").map_or(256, |v| v as usize),
-            sampling: SamplingParams {
-                temperature: num("temperature").unwrap_or(0.0) as f32,
-                seed: num("seed").unwrap_or(0.0) as u64,
-                ..SamplingParams::default()
-            },
-            ..GenerateParams::default()
-        };
-        let mut session = model.session();
-        engine.generate_in(&mut session, &ids, &params, &mut |piece| {
-            self.send(serde_json::json!({ "text": piece }))
-        })?;
-        Ok(())
-    }
+    Ok(served?)
 }
 
 fn synth(

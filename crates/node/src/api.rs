@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::daemon::{ApiCall, Route};
 use crate::supervisor::{Job, Piece};
+use shoal_runner::control::GenerateRequest;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
 /// A keepalive line after this much quiet on an answer's stream.
@@ -131,16 +132,12 @@ async fn run(
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
     };
-    if body.get("prompt").and_then(Value::as_str).is_none() {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "the body needs a \"prompt\" string",
-        );
-    }
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    // Typed, so a wrong type or an unknown field is refused, never replaced by a default.
+    let request: GenerateRequest = match serde_json::from_value(body) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad request: {e}")),
+    };
+    let model = request.model.clone();
     let route = ask(&api.calls, |reply| ApiCall::Route {
         model,
         local_only: false,
@@ -150,12 +147,12 @@ async fn run(
     let mut rx = match route {
         Ok(Ok(Route::Local(jobs))) => {
             let (tx, rx) = mpsc::channel(256);
-            if jobs.send(Job { body, reply: tx }).await.is_err() {
+            if jobs.send(Job { request, reply: tx }).await.is_err() {
                 return error(StatusCode::SERVICE_UNAVAILABLE, "rank 0's runner is gone");
             }
             rx
         }
-        Ok(Ok(Route::Remote(peer))) => crate::forward::forward(api.streams.clone(), peer, body),
+        Ok(Ok(Route::Remote(peer))) => crate::forward::forward(api.streams.clone(), peer, request),
         Ok(Err(why)) => return error(StatusCode::SERVICE_UNAVAILABLE, why),
         Err(r) => return r,
     };

@@ -17,6 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::daemon::{ApiCall, Route};
 use crate::p2p::{self, Forward, read_line, write_line};
 use crate::supervisor::{Job, Piece};
+use shoal_runner::control::GenerateRequest;
 
 /// The serving side writes a keepalive after this much quiet.
 const KEEPALIVE: Duration = Duration::from_secs(1);
@@ -41,11 +42,7 @@ async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io
     let mut stream = futures::io::BufReader::new(stream);
     let req: Forward = read_line(&mut stream, OPEN).await?;
     let stream = stream.get_mut();
-    let model = req
-        .body
-        .get("model")
-        .and_then(|m| m.as_str())
-        .map(str::to_string);
+    let model = req.request.model.clone();
     let (reply, route) = oneshot::channel();
     let asked = calls
         .send(ApiCall::Route {
@@ -76,7 +73,7 @@ async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io
     let (tx, mut rx) = mpsc::channel(256);
     if jobs
         .send(Job {
-            body: req.body,
+            request: req.request,
             reply: tx,
         })
         .await
@@ -99,12 +96,13 @@ async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io
     }
 }
 
-/// Sends `body` to `peer`, which holds rank 0, and returns the answer's pieces. The
-/// channel always ends with `Done` or `Error`.
+/// Sends `request` to `peer`, which holds rank 0, and returns the answer's pieces. The
+/// channel always ends with `Done` or `Error`. When the receiver is dropped (the client
+/// went away) the stream is closed, and the serving node cancels the request.
 pub fn forward(
     mut streams: libp2p_stream::Control,
     peer: PeerId,
-    body: serde_json::Value,
+    request: GenerateRequest,
 ) -> mpsc::Receiver<Piece> {
     let (tx, rx) = mpsc::channel(256);
     tokio::spawn(async move {
@@ -123,13 +121,17 @@ pub fn forward(
             }
         };
         let mut stream = futures::io::BufReader::new(stream);
-        if let Err(e) = write_line(stream.get_mut(), &Forward { body }).await {
+        if let Err(e) = write_line(stream.get_mut(), &Forward { request }).await {
             let why = format!("cannot send the request to node {peer}: {e}");
             let _ = tx.send(Piece::Error(why)).await;
             return;
         }
         loop {
-            let piece = match read_line::<Piece, _>(&mut stream, SILENCE).await {
+            let read = tokio::select! {
+                r = read_line::<Piece, _>(&mut stream, SILENCE) => r,
+                _ = tx.closed() => return, // the client went away: close the stream
+            };
+            let piece = match read {
                 Ok(Piece::Keepalive) => continue,
                 Ok(p) => p,
                 Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Piece::Error(format!(

@@ -117,7 +117,7 @@ pub enum FileHeader {
 /// The first line of a generate stream: the request as the node's API took it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Forward {
-    pub body: serde_json::Value,
+    pub request: shoal_runner::control::GenerateRequest,
 }
 
 /// Writes `msg` as one JSON line.

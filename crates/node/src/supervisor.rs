@@ -1,27 +1,28 @@
 //! Runner processes: one `shoal rank` process per rank this node holds, each tied to the
-//! node by a local socket carrying JSON lines.
+//! node by a local socket carrying the typed JSON lines of `shoal_runner::control`.
 //!
-//! Runner → node: `{"status": …}` as it connects, loads and gets ready; `{"heartbeat":
-//! n}` every second from a thread of its own; for rank 0, `{"text": …}`, `{"done": …}`
-//! or `{"error": …}` answering a request. Node → runner (rank 0): `{"generate": {…}}`.
+//! Runner → node: its status as it connects, loads and gets ready; a heartbeat every
+//! second from a thread of its own; for rank 0, the text, end or error of each request
+//! by id. Node → runner (rank 0): every request at once, by id (the runner batches them),
+//! and a cancel for each whose client went away, whatever state it is in.
 //!
 //! The watchdog: a runner whose heartbeats stop for the liveness timeout (frozen), or
-//! that has a request in hand but sends nothing for the stall timeout, is killed; its
-//! request ends at once with an error, and the node reports the rank failed. Every
+//! that has requests in hand but sends nothing for the stall timeout, is killed; its
+//! requests end at once with an error, and the node reports the rank failed. Every
 //! report goes through one channel to the node's loop, in order.
 //!
 //! A request's answer is a sequence of [`Piece`]s that ends in `Done` or `Error`; a
 //! channel that closes before either (the runner was stopped) is an answer cut short,
 //! and whoever reads it says so.
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 use shoal_cluster::RunnerStatus;
+use shoal_runner::control::{FromRunner, GenerateRequest, ToRunner};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot};
@@ -67,7 +68,7 @@ pub enum Piece {
 
 /// One request for rank 0 and where its answer goes.
 pub struct Job {
-    pub body: Value,
+    pub request: GenerateRequest,
     pub reply: mpsc::Sender<Piece>,
 }
 
@@ -206,38 +207,25 @@ async fn supervise(
         }
         why = &mut stop => {
             let why = why.unwrap_or_else(|_| "stopped by its node".into());
-            stop_jobs(&mut jobs, None, &mut VecDeque::new(), &why).await;
+            stop_jobs(&mut jobs, &mut HashMap::new(), &why);
             return exit(&mut child, &reports, key, why).await;
         }
     };
     let (read, mut write) = stream.into_split();
     let mut lines = BufReader::new(read).lines();
-    let mut queue: VecDeque<Job> = VecDeque::new();
-    let mut current: Option<Job> = None;
+    // Requests sent to the runner and not yet ended, by id.
+    let mut inflight: HashMap<u64, Job> = HashMap::new();
+    let mut next_id = 0u64;
     let mut last_heartbeat = Instant::now();
     let mut last_progress = Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
-        if current.is_none()
-            && let Some(job) = queue.pop_front()
-        {
-            let line = serde_json::json!({ "generate": job.body }).to_string() + "\n";
-            if let Err(e) = write.write_all(line.as_bytes()).await {
-                let _ = job
-                    .reply
-                    .send(Piece::Error(format!("runner unreachable: {e}")))
-                    .await;
-            } else {
-                last_progress = Instant::now();
-                current = Some(job);
-            }
-        }
         tokio::select! {
             line = lines.next_line() => {
                 let line = match line {
                     Ok(Some(l)) => l,
                     Ok(None) | Err(_) => {
-                        fail_jobs(current.take(), &mut queue, "the runner closed its control socket").await;
+                        fail_all(&mut inflight, "the runner closed its control socket");
                         let why = match tokio::time::timeout(Duration::from_secs(2), child.wait()).await {
                             Ok(s) => format!("exited ({})", describe(s)),
                             Err(_) => "closed its control socket".into(),
@@ -245,57 +233,88 @@ async fn supervise(
                         return exit(&mut child, &reports, key, why).await;
                     }
                 };
-                let Ok(v) = serde_json::from_str::<Value>(&line) else {
-                    tracing::warn!(?key, line, "a runner sent a line that is not JSON");
-                    continue;
+                let msg = match serde_json::from_str::<FromRunner>(&line) {
+                    Ok(m) => m,
+                    Err(e) => {
+                        tracing::warn!(?key, line, error = %e, "a runner sent a line that is not a message");
+                        continue;
+                    }
                 };
-                if v.get("heartbeat").is_some() {
-                    last_heartbeat = Instant::now();
-                } else if let Some(s) = v.get("status") {
-                    last_progress = Instant::now();
-                    if let Ok(status) = serde_json::from_value::<RunnerStatus>(s.clone()) {
+                let (id, piece) = match msg {
+                    FromRunner::Heartbeat => {
+                        last_heartbeat = Instant::now();
+                        continue;
+                    }
+                    FromRunner::Status { status } => {
+                        last_progress = Instant::now();
                         report(RunnerReport::Status(key.clone(), status)).await;
+                        continue;
                     }
-                } else if let Some(t) = v.get("text").and_then(Value::as_str) {
-                    last_progress = Instant::now();
-                    if let Some(job) = &current {
-                        let _ = job.reply.send(Piece::Text(t.to_string())).await;
+                    FromRunner::Text { id, text } => (id, Piece::Text(text)),
+                    FromRunner::Done { id, .. } => (id, Piece::Done),
+                    FromRunner::Error { id, message, .. } => (id, Piece::Error(message)),
+                };
+                last_progress = Instant::now();
+                let last = !matches!(piece, Piece::Text(_));
+                let delivered = inflight.get(&id).is_some_and(|j| j.reply.try_send(piece).is_ok());
+                if last || !delivered {
+                    // Ended, or its client is gone or too far behind to keep up.
+                    if inflight.remove(&id).is_some() && !last {
+                        let _ = send(&mut write, &ToRunner::Cancel { id }).await;
                     }
-                } else if v.get("done").is_some() {
-                    if let Some(job) = current.take() {
-                        let _ = job.reply.send(Piece::Done).await;
-                    }
-                } else if let Some(e) = v.get("error")
-                    && let Some(job) = current.take()
-                {
-                    let _ = job.reply.send(Piece::Error(e.as_str().unwrap_or("error").to_string())).await;
                 }
             }
             job = jobs.recv() => match job {
-                Some(job) => queue.push_back(job),
+                Some(job) => {
+                    next_id += 1;
+                    let id = next_id;
+                    let msg = ToRunner::Generate { id, request: job.request.clone() };
+                    if let Err(e) = send(&mut write, &msg).await {
+                        let _ = job.reply.try_send(Piece::Error(format!("runner unreachable: {e}")));
+                    } else {
+                        if inflight.is_empty() {
+                            last_progress = Instant::now();
+                        }
+                        inflight.insert(id, job);
+                    }
+                }
                 None => return, // the node dropped the handle; the child dies with us
             },
             why = &mut stop => {
                 let why = why.unwrap_or_else(|_| "stopped by its node".into());
-                stop_jobs(&mut jobs, current.take(), &mut queue, &why).await;
+                stop_jobs(&mut jobs, &mut inflight, &why);
                 return exit(&mut child, &reports, key, why).await;
             }
             status = child.wait() => {
-                fail_jobs(current.take(), &mut queue, "the runner exited").await;
+                fail_all(&mut inflight, "the runner exited");
                 return exit(&mut child, &reports, key, format!("exited ({})", describe(status))).await;
             }
             _ = tick.tick() => {
+                // A client that went away (a closed connection drops its receiver): the
+                // runner frees its sequence within a step, queued or running.
+                let gone: Vec<u64> = inflight.iter().filter(|(_, j)| j.reply.is_closed()).map(|(id, _)| *id).collect();
+                for id in gone {
+                    inflight.remove(&id);
+                    tracing::debug!(?key, id, "client gone: cancelling");
+                    let _ = send(&mut write, &ToRunner::Cancel { id }).await;
+                }
                 if last_heartbeat.elapsed() > LIVENESS {
-                    fail_jobs(current.take(), &mut queue, "the runner froze (no heartbeat)").await;
+                    fail_all(&mut inflight, "the runner froze (no heartbeat)");
                     return exit(&mut child, &reports, key, format!("no heartbeat for {LIVENESS:?}; killed")).await;
                 }
-                if current.is_some() && last_progress.elapsed() > spec.stall_timeout {
-                    fail_jobs(current.take(), &mut queue, "the runner stalled").await;
-                    return exit(&mut child, &reports, key, format!("no progress for {:?} with a request in hand; killed", spec.stall_timeout)).await;
+                if !inflight.is_empty() && last_progress.elapsed() > spec.stall_timeout {
+                    fail_all(&mut inflight, "the runner stalled");
+                    return exit(&mut child, &reports, key, format!("no progress for {:?} with requests in hand; killed", spec.stall_timeout)).await;
                 }
             }
         }
     }
+}
+
+async fn send(write: &mut tokio::net::unix::OwnedWriteHalf, msg: &ToRunner) -> std::io::Result<()> {
+    let mut line = serde_json::to_string(msg).map_err(std::io::Error::other)?;
+    line.push('\n');
+    write.write_all(line.as_bytes()).await
 }
 
 fn describe(status: std::io::Result<std::process::ExitStatus>) -> String {
@@ -305,24 +324,19 @@ fn describe(status: std::io::Result<std::process::ExitStatus>) -> String {
     }
 }
 
-async fn fail_jobs(current: Option<Job>, queue: &mut VecDeque<Job>, why: &str) {
-    for job in current.into_iter().chain(queue.drain(..)) {
-        let _ = job.reply.send(Piece::Error(why.to_string())).await;
+fn fail_all(inflight: &mut HashMap<u64, Job>, why: &str) {
+    for (_, job) in inflight.drain() {
+        let _ = job.reply.try_send(Piece::Error(why.to_string()));
     }
 }
 
-/// Fails every request held, queued, or still in the channel: the runner is stopping.
-async fn stop_jobs(
-    jobs: &mut mpsc::Receiver<Job>,
-    current: Option<Job>,
-    queue: &mut VecDeque<Job>,
-    why: &str,
-) {
+/// Fails every request held or still in the channel: the runner is stopping.
+fn stop_jobs(jobs: &mut mpsc::Receiver<Job>, inflight: &mut HashMap<u64, Job>, why: &str) {
     jobs.close();
     while let Ok(job) = jobs.try_recv() {
-        queue.push_back(job);
+        let _ = job.reply.try_send(Piece::Error(why.to_string()));
     }
-    fail_jobs(current, queue, why).await;
+    fail_all(inflight, why);
 }
 
 async fn exit(

@@ -10,12 +10,19 @@
 //! - [`session`]: rank 0's side, an engine [`shoal_engine::Session`], so generation,
 //!   scoring and benchmarks run unchanged on a split model.
 //! - [`launch`]: starting N ranks as local processes (`--ranks N`).
+//! - [`control`]: the typed protocol between a node and its runner; [`link`] the
+//!   runner's end of it; [`serve`] rank 0's loop serving many requests at once, each step
+//!   decided by the pure [`scheduler`].
 //! - `nccl` (feature `nccl`): the all-reduce between the GPUs of one machine.
 
+pub mod control;
 pub mod launch;
+pub mod link;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod rank;
+pub mod scheduler;
+pub mod serve;
 pub mod session;
 pub mod shard;
 pub mod step;

@@ -1,0 +1,313 @@
+//! Rank 0's scheduler: which sequences are admitted, and what goes into the next forward
+//! step. Pure functions over typed state, so the rules are tested here without a model.
+//!
+//! The rules, after vLLM's: every decoding sequence adds its one token to every step
+//! (nobody's stream stalls); the rest of the step's token budget goes to prompt slices,
+//! oldest sequence first (chunked prefill: a long prompt neither stalls the streams nor
+//! waits behind them). A sequence is admitted only when the batch has room and its whole
+//! KV (prompt and answer) fits in what is free; beyond, requests wait in a bounded queue,
+//! and past the queue they are refused as busy.
+
+/// How much one step and one instance may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Tokens per forward step (decode tokens and prompt slices together).
+    pub step_tokens: usize,
+    /// Sequences admitted at once.
+    pub max_batch: usize,
+    /// KV positions the instance may hold over all its sequences.
+    pub kv_positions: usize,
+    /// Requests that may wait for admission; past it, new ones are refused.
+    pub max_queue: usize,
+}
+
+/// A request waiting for admission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    pub id: u64,
+    pub prompt: usize,
+    /// The most tokens it may generate (its KV is reserved for all of them).
+    pub max_new: usize,
+}
+
+impl Waiting {
+    fn positions(&self) -> usize {
+        self.prompt + self.max_new
+    }
+}
+
+/// An admitted sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Running {
+    pub id: u64,
+    pub prompt: usize,
+    pub max_new: usize,
+    /// Prompt tokens already through the model.
+    pub prefilled: usize,
+}
+
+impl Running {
+    pub fn admitted(w: &Waiting) -> Self {
+        Self {
+            id: w.id,
+            prompt: w.prompt,
+            max_new: w.max_new,
+            prefilled: 0,
+        }
+    }
+
+    pub fn decoding(&self) -> bool {
+        self.prefilled >= self.prompt
+    }
+
+    fn positions(&self) -> usize {
+        self.prompt + self.max_new
+    }
+}
+
+/// One sequence's share of the next step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Work {
+    /// Its next token.
+    Decode { id: u64 },
+    /// Prompt tokens `start..start + len`; `last` when they end the prompt (the step
+    /// then returns its logits and the first token is sampled).
+    Prefill {
+        id: u64,
+        start: usize,
+        len: usize,
+        last: bool,
+    },
+}
+
+/// Whether a new request may wait for admission.
+pub fn may_queue(waiting: usize, limits: &Limits) -> bool {
+    waiting < limits.max_queue
+}
+
+/// The waiting requests to admit now, in order: first come first served, each only if
+/// the batch has room and its KV fits beside what is admitted; the first that does not
+/// fit stops the line (a big request is not overtaken forever by small ones).
+pub fn admit(waiting: &[Waiting], running: &[Running], limits: &Limits) -> Vec<u64> {
+    let mut used: usize = running.iter().map(Running::positions).sum();
+    let mut out = Vec::new();
+    for (batch, w) in (running.len()..).zip(waiting) {
+        if batch >= limits.max_batch || used + w.positions() > limits.kv_positions {
+            break;
+        }
+        used += w.positions();
+        out.push(w.id);
+    }
+    out
+}
+
+/// Whether a request can ever be admitted (its KV alone fits the instance).
+pub fn fits_at_all(w: &Waiting, limits: &Limits) -> bool {
+    w.positions() <= limits.kv_positions
+}
+
+/// The next step: every decoding sequence's token, then prompt slices oldest first
+/// within what is left of the token budget. Empty when nothing runs.
+pub fn next_step(running: &[Running], limits: &Limits) -> Vec<Work> {
+    let mut work: Vec<Work> = running
+        .iter()
+        .filter(|r| r.decoding())
+        .map(|r| Work::Decode { id: r.id })
+        .collect();
+    let mut left = limits.step_tokens.saturating_sub(work.len());
+    for r in running.iter().filter(|r| !r.decoding()) {
+        if left == 0 {
+            break;
+        }
+        let len = (r.prompt - r.prefilled).min(left);
+        left -= len;
+        work.push(Work::Prefill {
+            id: r.id,
+            start: r.prefilled,
+            len,
+            last: r.prefilled + len == r.prompt,
+        });
+    }
+    work
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            step_tokens: 16,
+            max_batch: 4,
+            kv_positions: 1000,
+            max_queue: 8,
+        }
+    }
+
+    fn waiting(id: u64, prompt: usize, max_new: usize) -> Waiting {
+        Waiting {
+            id,
+            prompt,
+            max_new,
+        }
+    }
+
+    fn running(id: u64, prompt: usize, prefilled: usize) -> Running {
+        Running {
+            id,
+            prompt,
+            max_new: 10,
+            prefilled,
+        }
+    }
+
+    #[test]
+    fn decode_tokens_come_first_then_prompt_slices_within_the_budget() {
+        let r = [
+            running(1, 4, 4),
+            running(2, 100, 0),
+            running(3, 5, 5),
+            running(4, 8, 0),
+        ];
+        let step = next_step(&r, &limits());
+        assert_eq!(
+            step,
+            vec![
+                Work::Decode { id: 1 },
+                Work::Decode { id: 3 },
+                Work::Prefill {
+                    id: 2,
+                    start: 0,
+                    len: 14,
+                    last: false
+                },
+            ],
+            "two decodes, then the oldest prompt takes the 14 tokens left"
+        );
+        let tokens: usize = step
+            .iter()
+            .map(|w| match w {
+                Work::Decode { .. } => 1,
+                Work::Prefill { len, .. } => *len,
+            })
+            .sum();
+        assert!(tokens <= limits().step_tokens);
+    }
+
+    #[test]
+    fn a_prompt_is_sliced_across_steps_and_its_last_slice_says_so() {
+        let mut r = vec![running(1, 40, 0)];
+        let mut slices = Vec::new();
+        while !r[0].decoding() {
+            let step = next_step(&r, &limits());
+            let [
+                Work::Prefill {
+                    start, len, last, ..
+                },
+            ] = step[..]
+            else {
+                panic!("one prefill slice: {step:?}");
+            };
+            assert_eq!(start, r[0].prefilled);
+            r[0].prefilled += len;
+            slices.push((len, last));
+        }
+        assert_eq!(slices, vec![(16, false), (16, false), (8, true)]);
+        assert_eq!(next_step(&r, &limits()), vec![Work::Decode { id: 1 }]);
+    }
+
+    #[test]
+    fn a_long_prompt_never_stops_the_streams() {
+        // Four streams and a 4000-token prompt: every step still carries all four.
+        let mut r = vec![
+            running(1, 3, 3),
+            running(2, 3, 3),
+            running(3, 3, 3),
+            running(9, 4000, 0),
+        ];
+        for _ in 0..300 {
+            let step = next_step(&r, &limits());
+            let decodes = step
+                .iter()
+                .filter(|w| matches!(w, Work::Decode { .. }))
+                .count();
+            assert_eq!(decodes, 3);
+            if let Some(Work::Prefill { len, .. }) =
+                step.iter().find(|w| matches!(w, Work::Prefill { .. }))
+            {
+                assert!(*len <= limits().step_tokens - 3);
+                r[3].prefilled += len;
+            }
+        }
+        assert!(r[3].prefilled > 0, "the prompt progressed too");
+    }
+
+    #[test]
+    fn admission_is_first_come_first_served_within_batch_and_memory() {
+        let l = limits();
+        let w = [
+            waiting(1, 100, 100),
+            waiting(2, 100, 100),
+            waiting(3, 10, 10),
+        ];
+        assert_eq!(admit(&w, &[], &l), vec![1, 2, 3]);
+        // Memory: 600 in use leaves room for two of 200, not a third; the small one
+        // behind the one that does not fit waits its turn.
+        let busy = [Running {
+            id: 7,
+            prompt: 300,
+            max_new: 300,
+            prefilled: 300,
+        }];
+        let w = [
+            waiting(1, 100, 100),
+            waiting(2, 100, 100),
+            waiting(3, 100, 100),
+            waiting(4, 1, 1),
+        ];
+        assert_eq!(admit(&w, &busy, &l), vec![1, 2]);
+        // Batch: four at most.
+        let full: Vec<Running> = (10..14).map(|i| running(i, 1, 1)).collect();
+        assert!(admit(&[waiting(1, 1, 1)], &full, &l).is_empty());
+    }
+
+    #[test]
+    fn a_cancelled_sequence_frees_its_room_at_once() {
+        let l = Limits {
+            max_batch: 1,
+            ..limits()
+        };
+        let mut r = vec![running(1, 10, 10)];
+        let w = [waiting(2, 5, 5)];
+        assert!(admit(&w, &r, &l).is_empty());
+        r.retain(|s| s.id != 1); // cancelled
+        assert_eq!(admit(&w, &r, &l), vec![2]);
+        assert!(next_step(&r, &l).is_empty());
+    }
+
+    #[test]
+    fn the_queue_is_bounded_and_a_request_too_big_for_the_instance_is_known_at_once() {
+        let l = limits();
+        assert!(may_queue(7, &l));
+        assert!(!may_queue(8, &l));
+        assert!(fits_at_all(&waiting(1, 500, 500), &l));
+        assert!(!fits_at_all(&waiting(1, 900, 101), &l));
+    }
+
+    #[test]
+    fn every_decoding_sequence_gets_a_token_every_step() {
+        // Fairness between streams: no stream is skipped however many there are
+        // (the batch limit keeps their number within the budget).
+        let r: Vec<Running> = (0..4).map(|i| running(i, 2, 2)).collect();
+        for _ in 0..10 {
+            let ids: Vec<u64> = next_step(&r, &limits())
+                .iter()
+                .map(|w| match w {
+                    Work::Decode { id } => *id,
+                    Work::Prefill { id, .. } => *id,
+                })
+                .collect();
+            assert_eq!(ids, vec![0, 1, 2, 3]);
+        }
+    }
+}

@@ -1,0 +1,360 @@
+//! Rank 0's serving loop: the node's requests in, answers out, many at once. Each turn
+//! it reads every message waiting (a cancel is seen within one step, whatever state its
+//! sequence is in), admits what fits, asks the scheduler for the next step, runs it as
+//! one batched forward on every rank, and hands each sequence its row of the logits.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+
+use shoal_collectives::Transport;
+use shoal_engine::{Decoder, Engine, EngineError, FinishReason};
+use shoal_tokenizer::ChatMessage;
+
+use crate::SplitModel;
+use crate::control::{ErrorKind, FromRunner, GenerateRequest, Timings, ToRunner, Usage};
+use crate::scheduler::{Limits, Running, Waiting, Work, admit, fits_at_all, may_queue, next_step};
+use crate::step::{Logits, Part};
+
+/// How much the loop lets in.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeConfig {
+    pub limits: Limits,
+}
+
+impl ServeConfig {
+    /// `max_batch` sequences at once, each up to the context; 256 tokens a step.
+    pub fn new(context: usize, max_batch: usize) -> Self {
+        let max_batch = max_batch.max(1);
+        Self {
+            limits: Limits {
+                step_tokens: 256,
+                max_batch,
+                kv_positions: context.saturating_mul(max_batch),
+                max_queue: 4 * max_batch.max(16),
+            },
+        }
+    }
+}
+
+/// One request on its way through.
+struct Seq<'e> {
+    id: u64,
+    /// Its sequence on the ranks.
+    seq: u64,
+    prompt: Vec<u32>,
+    max_new: usize,
+    prefilled: usize,
+    decoder: Decoder<'e>,
+    /// The token the next decode step feeds.
+    next: Option<u32>,
+    arrived: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+}
+
+impl Seq<'_> {
+    fn waiting(&self) -> Waiting {
+        Waiting {
+            id: self.id,
+            prompt: self.prompt.len(),
+            max_new: self.max_new,
+        }
+    }
+
+    fn running(&self) -> Running {
+        Running {
+            id: self.id,
+            prompt: self.prompt.len(),
+            max_new: self.max_new,
+            prefilled: self.prefilled,
+        }
+    }
+
+    fn done(&self, finish_reason: FinishReason) -> FromRunner {
+        let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+        let now = Instant::now();
+        let admitted = self.admitted.unwrap_or(now);
+        let first = self.first_token.unwrap_or(now);
+        FromRunner::Done {
+            id: self.id,
+            finish_reason,
+            usage: Usage {
+                prompt_tokens: self.prompt.len(),
+                cached_tokens: 0,
+                completion_tokens: self.decoder.generated().len(),
+            },
+            timings: Timings {
+                queued_ms: ms(self.arrived, admitted),
+                prefill_ms: ms(admitted, first),
+                decode_ms: ms(first, now),
+            },
+        }
+    }
+}
+
+/// The loop's state: requests waiting for admission, and admitted sequences.
+struct Serving<'e, 'm, T: Transport> {
+    engine: &'e Engine,
+    model: &'m SplitModel<T>,
+    config: ServeConfig,
+    waiting: VecDeque<Seq<'e>>,
+    running: Vec<Seq<'e>>,
+    send: &'m dyn Fn(FromRunner) -> bool,
+}
+
+/// Serves until the node closes the inbox (Ok) or the instance breaks (Err, after every
+/// request in hand was told).
+pub fn serve<T: Transport>(
+    engine: &Engine,
+    model: &SplitModel<T>,
+    inbox: &Receiver<ToRunner>,
+    send: &dyn Fn(FromRunner) -> bool,
+    config: ServeConfig,
+) -> Result<(), EngineError> {
+    let mut s = Serving {
+        engine,
+        model,
+        config,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        send,
+    };
+    loop {
+        // Block only when there is nothing to compute.
+        if s.waiting.is_empty() && s.running.is_empty() {
+            match inbox.recv() {
+                Ok(m) => s.on_message(m),
+                Err(_) => return Ok(()),
+            }
+        }
+        loop {
+            match inbox.try_recv() {
+                Ok(m) => s.on_message(m),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return Ok(()),
+            }
+        }
+        s.admit();
+        s.step()?;
+    }
+}
+
+impl<'e, T: Transport> Serving<'e, '_, T> {
+    fn on_message(&mut self, m: ToRunner) {
+        match m {
+            ToRunner::Generate { id, request } => self.on_generate(id, &request),
+            ToRunner::Cancel { id } => self.cancel(id),
+        }
+    }
+
+    fn fail(&self, id: u64, kind: ErrorKind, message: String) {
+        (self.send)(FromRunner::Error { id, kind, message });
+    }
+
+    fn on_generate(&mut self, id: u64, request: &GenerateRequest) {
+        let prompt = match self.tokenize(request) {
+            Ok(p) => p,
+            Err(e) => return self.fail(id, ErrorKind::Invalid, e.to_string()),
+        };
+        let params = request.params(self.config.limits.step_tokens);
+        let decoder = Decoder::new(self.engine, &prompt, &params);
+        let max_new = params
+            .max_tokens
+            .min(self.engine.context_length().saturating_sub(prompt.len()));
+        let seq = Seq {
+            id,
+            seq: self.model.open(),
+            prompt,
+            max_new,
+            prefilled: 0,
+            decoder,
+            next: None,
+            arrived: Instant::now(),
+            admitted: None,
+            first_token: None,
+        };
+        let limits = &self.config.limits;
+        if !fits_at_all(&seq.waiting(), limits) {
+            return self.fail(
+                id,
+                ErrorKind::Invalid,
+                format!(
+                    "the request needs {} positions; the instance holds {}",
+                    seq.prompt.len() + max_new,
+                    limits.kv_positions
+                ),
+            );
+        }
+        if !may_queue(self.waiting.len(), limits) {
+            return self.fail(
+                id,
+                ErrorKind::Busy,
+                format!(
+                    "{} requests are waiting already; try again shortly",
+                    self.waiting.len()
+                ),
+            );
+        }
+        self.waiting.push_back(seq);
+    }
+
+    fn tokenize(&self, r: &GenerateRequest) -> Result<Vec<u32>, EngineError> {
+        let ids = if r.raw {
+            self.engine.raw_prompt(&r.prompt)?
+        } else {
+            let mut messages = Vec::new();
+            if let Some(system) = &r.system {
+                messages.push(ChatMessage::new("system", system));
+            }
+            messages.push(ChatMessage::new("user", &r.prompt));
+            self.engine.chat_prompt(&messages)?
+        };
+        self.engine.check_prompt(&ids)?;
+        Ok(ids)
+    }
+
+    /// Frees request `id` wherever it is; its client is gone, so nothing is sent but the
+    /// end, for the node's accounting.
+    fn cancel(&mut self, id: u64) {
+        if let Some(at) = self.waiting.iter().position(|s| s.id == id) {
+            if let Some(mut s) = self.waiting.remove(at) {
+                s.decoder.cancel();
+                (self.send)(s.done(FinishReason::Cancelled));
+            }
+        } else if let Some(at) = self.running.iter().position(|s| s.id == id) {
+            let mut s = self.running.remove(at);
+            s.decoder.cancel();
+            let _ = self.model.release(s.seq);
+            (self.send)(s.done(FinishReason::Cancelled));
+        }
+    }
+
+    fn admit(&mut self) {
+        let waiting: Vec<Waiting> = self.waiting.iter().map(Seq::waiting).collect();
+        let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
+        for _ in admit(&waiting, &running, &self.config.limits) {
+            if let Some(mut s) = self.waiting.pop_front() {
+                s.admitted = Some(Instant::now());
+                self.running.push(s);
+            }
+        }
+    }
+
+    /// One forward step over what the scheduler picks; each sequence wanting logits gets
+    /// its row, samples and says what it made.
+    fn step(&mut self) -> Result<(), EngineError> {
+        let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
+        let work = next_step(&running, &self.config.limits);
+        if work.is_empty() {
+            return Ok(());
+        }
+        // Indices into `running` of the parts that want logits, in part order.
+        let mut sampling = Vec::new();
+        let mut parts = Vec::with_capacity(work.len());
+        for w in &work {
+            let (id, tokens, logits) = match *w {
+                Work::Decode { id } => {
+                    let s = self.by_id(id);
+                    (id, vec![s.next.unwrap_or(0)], Logits::Last)
+                }
+                Work::Prefill {
+                    id,
+                    start,
+                    len,
+                    last,
+                } => {
+                    let s = self.by_id(id);
+                    let tokens = s.prompt[start..start + len].to_vec();
+                    (id, tokens, if last { Logits::Last } else { Logits::None })
+                }
+            };
+            let i = self.index(id);
+            if logits != Logits::None {
+                sampling.push(i);
+            }
+            parts.push(Part {
+                seq: self.running[i].seq,
+                tokens,
+                logits,
+            });
+        }
+        let prefilled: Vec<(usize, usize)> = work
+            .iter()
+            .filter_map(|w| match *w {
+                Work::Prefill { id, len, .. } => Some((self.index(id), len)),
+                Work::Decode { .. } => None,
+            })
+            .collect();
+        let logits = match self.model.forward_batch(parts) {
+            Ok(l) => l,
+            Err(e) => return self.step_failed(e),
+        };
+        for (i, len) in prefilled {
+            self.running[i].prefilled += len;
+        }
+        let Some(logits) = logits else {
+            return Ok(());
+        };
+        let mut finished = Vec::new();
+        for (row, &i) in sampling.iter().enumerate() {
+            let s = &mut self.running[i];
+            let out = s.decoder.step(&logits.narrow(0, row, 1)?)?;
+            s.first_token.get_or_insert_with(Instant::now);
+            if !out.text.is_empty() {
+                (self.send)(FromRunner::Text {
+                    id: s.id,
+                    text: out.text,
+                });
+            }
+            s.next = out.next;
+            if out.next.is_none() {
+                finished.push(i);
+            }
+        }
+        finished.sort_unstable();
+        for i in finished.into_iter().rev() {
+            let s = self.running.remove(i);
+            let why = s.decoder.finished().unwrap_or(FinishReason::Length);
+            (self.send)(s.done(why));
+            self.model.release(s.seq)?;
+        }
+        Ok(())
+    }
+
+    /// A step the ranks refused (nothing ran: the sequences in it fail, the rest go on)
+    /// or one that broke the instance (everyone is told; the runner leaves).
+    fn step_failed(&mut self, e: EngineError) -> Result<(), EngineError> {
+        if let Some(why) = self.model.broken() {
+            let message = format!("the instance failed: {why}");
+            for s in self.running.drain(..).chain(self.waiting.drain(..)) {
+                (self.send)(FromRunner::Error {
+                    id: s.id,
+                    kind: ErrorKind::Broken,
+                    message: message.clone(),
+                });
+            }
+            return Err(e);
+        }
+        for s in self.running.drain(..) {
+            (self.send)(FromRunner::Error {
+                id: s.id,
+                kind: ErrorKind::Invalid,
+                message: e.to_string(),
+            });
+            let _ = self.model.release(s.seq);
+        }
+        Ok(())
+    }
+
+    fn index(&self, id: u64) -> usize {
+        self.running
+            .iter()
+            .position(|s| s.id == id)
+            .expect("the scheduler names running sequences")
+    }
+
+    fn by_id(&self, id: u64) -> &Seq<'e> {
+        &self.running[self.index(id)]
+    }
+}
