@@ -200,6 +200,9 @@ struct NodeArgs {
     /// Compute threads per runner.
     #[arg(long)]
     runner_threads: Option<usize>,
+    /// Requests an instance serves at once (continuous batching); more wait in a queue.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
 }
 
 #[derive(Args, Debug)]
@@ -556,6 +559,7 @@ fn node(args: NodeArgs) -> Result<()> {
         stall_timeout: Duration::from_secs_f64(args.stall_timeout.max(1.0)),
         exe: std::env::current_exe().context("cannot find the shoal executable")?,
         runner_threads: args.runner_threads,
+        max_batch: args.max_batch.max(1),
     })
 }
 

@@ -24,7 +24,10 @@ mod wide;
 
 pub use blocks::{BlockType, dequantize_row};
 pub use dot::Isa;
-pub use matmul::{Activations, QuantMatrix, matmul, matmul_many, matmul_many_with, matmul_with};
+pub use matmul::{
+    AMX_MIN_TOKENS, Activations, QuantMatrix, Rows, matmul, matmul_many, matmul_many_with,
+    matmul_with, with_rows,
+};
 pub use pool::ThreadPool;
 
 /// Errors from malformed inputs to the kernels.

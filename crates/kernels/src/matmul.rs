@@ -131,10 +131,46 @@ impl Activations {
 /// Batches at least this large take the AMX tiles (when the Isa is [`Isa::Amx`]): below
 /// it, dequantizing the weights to bf16 costs more than the VNNI tiles' whole product
 /// (`kernel_bench 1536 1536 T 1`: the two meet between 8 and 16 tokens).
-pub(crate) const AMX_MIN_TOKENS: usize = 12;
+pub const AMX_MIN_TOKENS: usize = 12;
+
+/// Which arithmetic a batch of rows gets on a machine with AMX tiles. The bf16 tiles
+/// round activations otherwise than the 8-bit paths, so a row's result depends on the
+/// path; a server that batches many sequences pins the path per sequence (prompt rows
+/// bf16, decode rows 8-bit), so that each row is computed as it would be alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// By the number of rows (bf16 tiles from [`AMX_MIN_TOKENS`]).
+    ByCount,
+    /// 8-bit, however many rows.
+    Int8,
+    /// bf16 tiles, however few rows (on a machine with them).
+    Bf16,
+}
 
 thread_local! {
     static ROW: RefCell<Unpacked> = RefCell::new(Unpacked::default());
+    static ROWS: std::cell::Cell<Rows> = const { std::cell::Cell::new(Rows::ByCount) };
+}
+
+/// Runs `f` with every matmul this thread starts computing its rows as `rows` says.
+pub fn with_rows<R>(rows: Rows, f: impl FnOnce() -> R) -> R {
+    struct Reset(Rows);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ROWS.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(ROWS.with(|c| c.replace(rows)));
+    f()
+}
+
+/// Whether a matmul of `t` rows takes the bf16 tiles.
+fn bf16_tiles(isa: Isa, t: usize) -> bool {
+    match ROWS.with(|c| c.get()) {
+        Rows::ByCount => isa.batches_in_bf16(t),
+        Rows::Int8 => false,
+        Rows::Bf16 => isa == Isa::Amx && t >= 2,
+    }
 }
 
 /// `out (t, rows) = x (t, cols) · wᵀ` with the best instruction set of this machine on the
@@ -168,12 +204,16 @@ pub fn matmul_with(
         });
     }
     #[cfg(target_arch = "x86_64")]
-    if isa.batches_in_bf16(t) {
+    if bf16_tiles(isa, t) {
         crate::amx::matmul(pool, w, x, t, out);
         return Ok(());
     }
     let acts = Activations::quantize(x, t, w.cols)?;
-    if crate::tile::applies(isa, w, t) {
+    // Rows of different sequences' decode steps: each computed by the single-token
+    // kernel, bit for bit as it would be alone (a few weight rows at a time, kept in
+    // cache while every token passes over them).
+    let batch_of_tokens = ROWS.with(|c| c.get()) == Rows::Int8 && t > 1;
+    if crate::tile::applies(isa, w, t) && !batch_of_tokens {
         crate::tile::matmul(pool, w, &acts, out);
         return Ok(());
     }
@@ -186,7 +226,7 @@ pub fn matmul_with(
         let start = (i * per).min(n);
         let end = ((i + 1) * per).min(n);
         #[cfg(target_arch = "x86_64")]
-        if t == 1 && isa != Isa::Scalar {
+        if (t == 1 || batch_of_tokens) && isa != Isa::Scalar {
             // SAFETY: the Isa is available; this thread owns rows start..end of `out`.
             unsafe { decode_rows(isa, w, &acts, start..end, out_addr as *mut f32) };
             return;
@@ -229,12 +269,14 @@ pub fn matmul_with(
     Ok(())
 }
 
-/// One token: each block decoded in registers (no unpacked row), rows `range` of `w`
-/// into `out[range]`.
+/// Each token of `acts` with each block decoded in registers (no unpacked row): rows
+/// `range` of `w` into `out[tok * w.rows + range]`. A token's result does not depend on
+/// the others.
 ///
 /// # Safety
-/// `isa` is available and not `Scalar`; `acts` holds one row of `w.cols` values; `out`
-/// points at `w.rows` writable floats of which no other thread writes `range`.
+/// `isa` is available and not `Scalar`; `acts` holds rows of `w.cols` values; `out`
+/// points at `acts.rows() * w.rows` writable floats of which no other thread writes
+/// `range` of any token's row.
 #[cfg(target_arch = "x86_64")]
 unsafe fn decode_rows(
     isa: Isa,
@@ -243,25 +285,28 @@ unsafe fn decode_rows(
     range: std::ops::Range<usize>,
     out: *mut f32,
 ) {
-    let (xq, xd, xs) = acts.row(0);
+    let n = w.rows;
     let mut r = range.start;
     while r < range.end {
         let take = (range.end - r).min(crate::fused::rows_per_pass());
         let rows: [&[u8]; crate::fused::ROWS] = std::array::from_fn(|i| w.row(r + i.min(take - 1)));
-        let mut vals = [0f32; crate::fused::ROWS];
-        // SAFETY: the Isa is available (the caller's contract); the activation row covers
-        // the weight rows (all have `cols` values).
-        unsafe {
-            match isa {
-                Isa::Avx512Vnni | Isa::Amx => {
-                    crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
+        for tok in 0..acts.rows() {
+            let (xq, xd, xs) = acts.row(tok);
+            let mut vals = [0f32; crate::fused::ROWS];
+            // SAFETY: the Isa is available (the caller's contract); the activation row
+            // covers the weight rows (all have `cols` values).
+            unsafe {
+                match isa {
+                    Isa::Avx512Vnni | Isa::Amx => {
+                        crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
+                    }
+                    _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
                 }
-                _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
+            };
+            for (i, v) in vals.iter().enumerate().take(take) {
+                // SAFETY: `r + i < range.end ≤ w.rows`, this thread's rows (the contract).
+                unsafe { *out.add(tok * n + r + i) = *v };
             }
-        };
-        for (i, v) in vals.iter().enumerate().take(take) {
-            // SAFETY: `r + i < range.end ≤ w.rows`, this thread's rows (the contract).
-            unsafe { *out.add(r + i) = *v };
         }
         r += take;
     }

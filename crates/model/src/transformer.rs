@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor};
 
 use std::sync::Arc;
 
-use shoal_kernels::QuantMatrix;
+use shoal_kernels::{QuantMatrix, Rows};
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
 mod batch;
@@ -548,10 +548,18 @@ impl Model {
             )));
         }
         let mask = causal_mask(t, pos, self.config.group_size(), &self.compute)?;
+        // Every prompt chunk on the bf16 tiles (where the machine has them), whatever its
+        // length, a single token on the 8-bit paths: a row's arithmetic then depends only
+        // on whether it is a prompt's or a decode step's, not on how a scheduler sliced
+        // the prompt or what shared its batch.
+        let rows = if t >= 2 { Rows::Bf16 } else { Rows::ByCount };
         let mut x = hidden;
-        for layer in &self.layers {
-            x = self.layer_forward(layer, &x, cache, pos, mask.as_ref(), &mut links)?;
-        }
+        shoal_kernels::with_rows(rows, || -> Result<()> {
+            for layer in &self.layers {
+                x = self.layer_forward(layer, &x, cache, pos, mask.as_ref(), &mut links)?;
+            }
+            Ok(())
+        })?;
         cache.advance(t);
         Ok(x)
     }
@@ -700,6 +708,12 @@ impl Model {
             .transpose(0, 1)?
             .contiguous()?
             .reshape((t, nh * hd))?)
+    }
+
+    /// Final norm and logits of rows of different sequences (a batch's last positions),
+    /// each computed as a single row alone is (the 8-bit paths, however many rows).
+    pub fn head_each(&self, hidden: &Tensor) -> Result<Tensor> {
+        shoal_kernels::with_rows(Rows::Int8, || self.head(hidden))
     }
 
     /// Final norm and logits `(t, vocab)` for hidden states `(t, hidden)`.

@@ -18,6 +18,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -44,6 +46,7 @@ pub struct RunnerSpec {
     /// The `shoal` binary.
     pub exe: PathBuf,
     pub threads: Option<usize>,
+    pub max_batch: usize,
     pub socket_dir: PathBuf,
     pub stall_timeout: Duration,
     /// `cpu` or `cuda:N`.
@@ -82,6 +85,8 @@ pub enum RunnerReport {
 /// The node's end of a runner.
 pub struct RunnerHandle {
     pub jobs: mpsc::Sender<Job>,
+    /// Rank 0's sequences, as the runner last said.
+    pub load: Arc<Load>,
     task: Option<tokio::task::JoinHandle<()>>,
     stop: Option<oneshot::Sender<String>>,
 }
@@ -106,6 +111,14 @@ impl Drop for RunnerHandle {
             t.abort();
         }
     }
+}
+
+/// Sequences a rank-0 runner serves (admitted) and holds waiting for room.
+#[derive(Debug, Default)]
+pub struct Load {
+    pub running: AtomicUsize,
+    pub prefilling: AtomicUsize,
+    pub waiting: AtomicUsize,
 }
 
 /// A runner whose heartbeats stop for this long is frozen.
@@ -146,6 +159,7 @@ pub fn start(
     if let Some(t) = spec.threads {
         cmd.arg("--threads").arg(t.to_string());
     }
+    cmd.arg("--max-batch").arg(spec.max_batch.to_string());
     let rank_listener = spec.listener.take();
     if let Some(l) = &rank_listener {
         use std::os::fd::AsRawFd;
@@ -167,9 +181,19 @@ pub fn start(
     drop(rank_listener);
     let (jobs, job_rx) = mpsc::channel(64);
     let (stop, stop_rx) = oneshot::channel();
-    let task = tokio::spawn(supervise(spec, child, listener, job_rx, stop_rx, reports));
+    let load = Arc::new(Load::default());
+    let task = tokio::spawn(supervise(
+        spec,
+        child,
+        listener,
+        job_rx,
+        stop_rx,
+        reports,
+        Arc::clone(&load),
+    ));
     Ok(RunnerHandle {
         jobs,
+        load,
         task: Some(task),
         stop: Some(stop),
     })
@@ -187,6 +211,7 @@ async fn supervise(
     mut jobs: mpsc::Receiver<Job>,
     mut stop: oneshot::Receiver<String>,
     reports: mpsc::Sender<RunnerReport>,
+    load: Arc<Load>,
 ) {
     let key: Key = (spec.instance.clone(), spec.rank);
     let report = |r: RunnerReport| {
@@ -243,6 +268,12 @@ async fn supervise(
                 let (id, piece) = match msg {
                     FromRunner::Heartbeat => {
                         last_heartbeat = Instant::now();
+                        continue;
+                    }
+                    FromRunner::Load { running, prefilling, waiting } => {
+                        load.running.store(running, Ordering::Relaxed);
+                        load.prefilling.store(prefilling, Ordering::Relaxed);
+                        load.waiting.store(waiting, Ordering::Relaxed);
                         continue;
                     }
                     FromRunner::Status { status } => {

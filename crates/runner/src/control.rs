@@ -46,6 +46,13 @@ pub enum FromRunner {
         kind: ErrorKind,
         message: String,
     },
+    /// Rank 0's sequences, whenever they change: admitted ones (of which `prefilling`
+    /// are still reading their prompt), and requests waiting for room.
+    Load {
+        running: usize,
+        prefilling: usize,
+        waiting: usize,
+    },
 }
 
 /// What a request asks for: a user message rendered with the model's chat template (or

@@ -484,7 +484,14 @@ impl<T: Transport> Rank<T> {
             let idx = Tensor::new(rows.as_slice(), h.device())?;
             h.index_select(&idx, 0)?
         };
-        Ok(Some(self.model.head(&h)?))
+        // Several sequences' last rows: each as it would be alone; one part's rows (a
+        // prompt scored whole): as one matmul.
+        let logits = if parts.len() > 1 {
+            self.model.head_each(&h)?
+        } else {
+            self.model.head(&h)?
+        };
+        Ok(Some(logits))
     }
 
     /// The logits `want` asks for, of one sequence's rows.

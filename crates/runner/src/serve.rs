@@ -101,6 +101,8 @@ struct Serving<'e, 'm, T: Transport> {
     waiting: VecDeque<Seq<'e>>,
     running: Vec<Seq<'e>>,
     send: &'m dyn Fn(FromRunner) -> bool,
+    /// The load last reported: running, prefilling, waiting.
+    reported: (usize, usize, usize),
 }
 
 /// Serves until the node closes the inbox (Ok) or the instance breaks (Err, after every
@@ -119,9 +121,11 @@ pub fn serve<T: Transport>(
         waiting: VecDeque::new(),
         running: Vec::new(),
         send,
+        reported: (0, 0, 0),
     };
     loop {
         // Block only when there is nothing to compute.
+        s.report_load();
         if s.waiting.is_empty() && s.running.is_empty() {
             match inbox.recv() {
                 Ok(m) => s.on_message(m),
@@ -136,7 +140,9 @@ pub fn serve<T: Transport>(
             }
         }
         s.admit();
+        s.report_load();
         s.step()?;
+        s.report_load();
     }
 }
 
@@ -227,6 +233,24 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             s.decoder.cancel();
             let _ = self.model.release(s.seq);
             (self.send)(s.done(FinishReason::Cancelled));
+        }
+    }
+
+    /// Tells the node how many sequences run and wait, when that changed.
+    fn report_load(&mut self) {
+        let prefilling = self
+            .running
+            .iter()
+            .filter(|s| s.prefilled < s.prompt.len())
+            .count();
+        let now = (self.running.len(), prefilling, self.waiting.len());
+        if now != self.reported {
+            self.reported = now;
+            (self.send)(FromRunner::Load {
+                running: now.0,
+                prefilling: now.1,
+                waiting: now.2,
+            });
         }
     }
 

@@ -20,6 +20,7 @@ pub struct Node {
     bin: PathBuf,
     key: PathBuf,
     env: Vec<(String, String)>,
+    args: Vec<String>,
     proc: Option<Proc>,
 }
 
@@ -27,6 +28,11 @@ impl Node {
     /// An environment variable for the node (set before [`Node::start`]).
     pub fn env(&mut self, key: &str, value: &str) {
         self.env.push((key.to_string(), value.to_string()));
+    }
+
+    /// More `shoal node` arguments (set before [`Node::start`]).
+    pub fn args(&mut self, args: &[&str]) {
+        self.args.extend(args.iter().map(|a| a.to_string()));
     }
 
     pub fn start(&mut self) {
@@ -42,6 +48,7 @@ impl Node {
             .arg("--data-dir")
             .arg(&self.dir)
             .args(["--runner-threads", "1"])
+            .args(&self.args)
             .env("SHOAL_LOG", "info")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
@@ -144,6 +151,7 @@ impl Cluster {
                     bin: bin.to_path_buf(),
                     key: key.clone(),
                     env: Vec::new(),
+                    args: Vec::new(),
                     proc: None,
                 }
             })

@@ -4,6 +4,7 @@
 //! runs per sequence against its own keys and values.
 
 use candle_core::Tensor;
+use shoal_kernels::Rows;
 
 use super::{DecoderLayer, Model, causal_mask};
 use crate::{KvCache, ModelError, Result, ShardLinks};
@@ -62,14 +63,95 @@ impl Model {
                 &self.compute,
             )?);
         }
-        let mut x = hidden;
-        for layer in &self.layers {
-            x = self.layer_forward_batch(layer, &x, parts, &starts, &masks, &mut links)?;
-        }
+        // Prompt rows (parts of two rows or more) take the kernels' bf16 tiles, decode
+        // rows the 8-bit paths, however many of each are together: every row is
+        // computed as it would be alone (see `Model::forward_layers_with`). A batch with
+        // both runs as two groups, the same way on every rank.
+        let long = |p: &BatchPart<'_>| p.rows >= 2;
+        let mixed = parts.iter().any(long) && !parts.iter().all(long);
+        let x = if mixed {
+            self.forward_groups(hidden, parts, &starts, &masks, &mut links)?
+        } else {
+            let rows = if parts.iter().all(long) {
+                Rows::Bf16
+            } else {
+                Rows::Int8
+            };
+            shoal_kernels::with_rows(rows, || {
+                self.run_layers(hidden, parts, &starts, &masks, &mut links)
+            })?
+        };
         for p in parts.iter_mut() {
             p.cache.advance(p.rows);
         }
         Ok(x)
+    }
+
+    fn run_layers(
+        &self,
+        hidden: Tensor,
+        parts: &mut [BatchPart<'_>],
+        starts: &[usize],
+        masks: &[Option<Tensor>],
+        links: &mut Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        let mut x = hidden;
+        for layer in &self.layers {
+            x = self.layer_forward_batch(layer, &x, parts, starts, masks, links)?;
+        }
+        Ok(x)
+    }
+
+    /// The decode rows as one batch (8-bit paths), then the prompt rows (bf16 tiles),
+    /// the outputs put back in the parts' row order.
+    fn forward_groups(
+        &self,
+        hidden: Tensor,
+        parts: &mut [BatchPart<'_>],
+        starts: &[usize],
+        masks: &[Option<Tensor>],
+        links: &mut Option<&mut dyn ShardLinks>,
+    ) -> Result<Tensor> {
+        let mut offsets = Vec::with_capacity(parts.len());
+        let mut at = 0;
+        for p in parts.iter() {
+            offsets.push(at);
+            at += p.rows;
+        }
+        let mut out: Vec<Option<Tensor>> = vec![None; parts.len()];
+        for long in [false, true] {
+            let which: Vec<usize> = (0..parts.len())
+                .filter(|&i| (parts[i].rows >= 2) == long)
+                .collect();
+            let rows: Vec<Tensor> = which
+                .iter()
+                .map(|&i| hidden.narrow(0, offsets[i], parts[i].rows))
+                .collect::<std::result::Result<_, _>>()?;
+            let h = Tensor::cat(&rows, 0)?;
+            let group_starts: Vec<usize> = which.iter().map(|&i| starts[i]).collect();
+            let group_masks: Vec<Option<Tensor>> =
+                which.iter().map(|&i| masks[i].clone()).collect();
+            let mut group: Vec<BatchPart<'_>> = parts
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| which.contains(i))
+                .map(|(_, p)| BatchPart {
+                    cache: &mut *p.cache,
+                    rows: p.rows,
+                })
+                .collect();
+            let rows = if long { Rows::Bf16 } else { Rows::Int8 };
+            let y = shoal_kernels::with_rows(rows, || {
+                self.run_layers(h, &mut group, &group_starts, &group_masks, links)
+            })?;
+            let mut row = 0;
+            for (&i, p) in which.iter().zip(&group) {
+                out[i] = Some(y.narrow(0, row, p.rows)?);
+                row += p.rows;
+            }
+        }
+        let rows: Vec<Tensor> = out.into_iter().flatten().collect();
+        Ok(Tensor::cat(&rows, 0)?)
     }
 
     /// One layer over the rows of several sequences (`parts`, in row order, each at

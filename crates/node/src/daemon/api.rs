@@ -12,6 +12,15 @@ impl Daemon {
             "leading": self.leading,
             "peers": self.swarm.connected_peers().map(|p| p.to_string()).collect::<Vec<_>>(),
             "nodes": self.state.nodes.values().collect::<Vec<_>>(),
+            // This node's rank-0 runners: sequences admitted and waiting.
+            "serving": self.runners.iter().filter(|((_, rank), _)| *rank == 0).map(|((instance, _), r)| {
+                serde_json::json!({
+                    "instance": instance,
+                    "running": r.load.running.load(std::sync::atomic::Ordering::Relaxed),
+                    "prefilling": r.load.prefilling.load(std::sync::atomic::Ordering::Relaxed),
+                    "waiting": r.load.waiting.load(std::sync::atomic::Ordering::Relaxed),
+                })
+            }).collect::<Vec<_>>(),
             "instances": self.state.instances.values().map(|i| {
                 // The token stays inside the cluster's state, out of status output.
                 let mut v = serde_json::to_value(i).unwrap_or_default();

@@ -70,6 +70,8 @@ pub struct NodeConfig {
     pub exe: PathBuf,
     /// Compute threads per runner (default: the runner's own default).
     pub runner_threads: Option<usize>,
+    /// Requests a rank-0 runner serves at once.
+    pub max_batch: usize,
 }
 
 const TICK: Duration = Duration::from_millis(250);
