@@ -264,11 +264,21 @@ struct RunArgs {
 struct BenchArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Benchmark this machine alone (the cluster benchmark comes with the cluster).
+    /// Benchmark this machine alone.
     #[arg(long)]
     local: bool,
-    #[arg(long, default_value_t = 512)]
-    pp: usize,
+    /// Benchmark a live instance through this node (HOST:PORT) under concurrent clients.
+    #[arg(long, conflicts_with = "local")]
+    node: Option<String>,
+    /// With --node: client counts to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    concurrency: Vec<usize>,
+    /// With --node: a warm-up request first.
+    #[arg(long)]
+    warmup: bool,
+    /// Prompt tokens (default 512; with --node, a short chat question).
+    #[arg(long)]
+    pp: Option<usize>,
     #[arg(long, default_value_t = 128)]
     tg: usize,
     #[arg(long, short = 'r', default_value_t = 3)]
@@ -975,14 +985,34 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
+    if let Some(node) = &args.node {
+        let options = crate::bench_node::Options {
+            node: node.clone(),
+            model: Some(args.model.model.clone()),
+            concurrency: args.concurrency.clone(),
+            pp: args.pp.unwrap_or(0),
+            tg: args.tg,
+            repeat: args.repeat.max(1),
+            warmup: args.warmup,
+        };
+        let rows = crate::bench_node::run(&options)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        } else {
+            crate::bench_node::print(&rows);
+        }
+        return Ok(());
+    }
     if !args.local {
-        bail!("only `shoal bench --local` exists so far: the cluster benchmark needs `shoal node`");
+        bail!(
+            "say where: `shoal bench --local` (this machine) or `--node HOST:PORT` (an instance)"
+        );
     }
     // SAFETY: start-up, before any thread reads the environment.
     unsafe { std::env::set_var("SHOAL_KERNELS", &args.kernels) };
     let mut loaded = Loaded::open(&args.model)?;
     let config = BenchConfig {
-        pp: args.pp,
+        pp: args.pp.unwrap_or(512),
         tg: args.tg,
         repeat: args.repeat.max(1),
         prefill_chunk: args.prefill_chunk,

@@ -2,6 +2,7 @@
 //! processes (`run`, `bench`, `perplexity`, the hidden `rank`), runs a cluster node
 //! (`node`, `status`, `place`), and manages the model store (`pull`, `models`, `synth`).
 
+mod bench_node;
 mod commands;
 
 use std::process::ExitCode;
