@@ -321,3 +321,32 @@ fn a_client_gone_a_second_into_a_long_answer_does_not_hold_up_the_next() {
         load(&c) == (0, 0, 0)
     });
 }
+
+#[test]
+fn a_repeated_long_prefix_is_not_computed_again() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(c) = serving(&[], 4608) else { return };
+    // About 2000 tokens shared, then a different question each time (an agent resending
+    // its conversation with a new turn).
+    let prefix = "the quick brown fox jumps over the lazy dog ".repeat(200);
+    let first_text = |question: &str| -> Duration {
+        let t = Instant::now();
+        let mut s = Stream::open(&c, &request(&format!("{prefix}\n{question}"), 4));
+        loop {
+            let v = s.next().expect("an answer");
+            if v.get("text").is_some() {
+                let took = t.elapsed();
+                while s.next().is_some() {}
+                return took;
+            }
+            assert!(v.get("error").is_none(), "{v}");
+        }
+    };
+    let cold = first_text("What does the fox do?");
+    let warm = first_text("Which animal is lazy?");
+    eprintln!("time to first token: {cold:?} computed, {warm:?} from the kept prefix");
+    assert!(
+        warm.as_secs_f64() <= 0.2 * cold.as_secs_f64(),
+        "the shared prefix was computed again: {warm:?} against {cold:?}"
+    );
+}

@@ -147,6 +147,41 @@ impl KvCache {
         Ok((cache.k.narrow(1, 0, needed)?, cache.v.narrow(1, 0, needed)?))
     }
 
+    /// A copy of the first `len` positions, in storage of its own (a prefix cache hands
+    /// a new sequence the keys and values of a prompt it shares).
+    pub fn fork(&self, len: usize) -> Result<KvCache> {
+        let len = len.min(self.len);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for slot in &self.layers {
+            layers.push(match slot.as_ref().filter(|_| len > 0) {
+                None => None,
+                Some(l) => {
+                    let (n_kv, _, hd) = l.k.dims3()?;
+                    let cap = len.next_power_of_two().clamp(64, self.max_len.max(len));
+                    let fresh = LayerCache {
+                        k: Tensor::zeros((n_kv, cap, hd), self.dtype, &self.device)?,
+                        v: Tensor::zeros((n_kv, cap, hd), self.dtype, &self.device)?,
+                    };
+                    fresh
+                        .k
+                        .slice_set(&l.k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                    fresh
+                        .v
+                        .slice_set(&l.v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                    Some(fresh)
+                }
+            });
+        }
+        Ok(KvCache {
+            layers,
+            first_layer: self.first_layer,
+            len,
+            max_len: self.max_len,
+            device: self.device.clone(),
+            dtype: self.dtype,
+        })
+    }
+
     /// Marks `t` more positions as stored, after all layers appended them.
     pub fn advance(&mut self, t: usize) {
         self.len += t;

@@ -330,6 +330,13 @@ impl<T: Transport> Rank<T> {
         // and a failed rank leaves the instance.
         match step {
             Step::Forward { seq, tokens, .. } => self.check_part(*seq, tokens)?,
+            Step::Fork { from, to, len }
+                if self.len(*from) < *len as usize || self.caches.contains_key(to) =>
+            {
+                return Err(RankError::Invalid(format!(
+                    "cannot fork {len} positions of sequence {from} into {to}"
+                )));
+            }
             Step::Batch { parts } => {
                 let mut seen = std::collections::HashSet::new();
                 for p in parts {
@@ -400,6 +407,15 @@ impl<T: Transport> Rank<T> {
                 logits: *logits,
             }]),
             Step::Batch { parts } => self.execute_batch(parts),
+            Step::Fork { from, to, len } => {
+                let source = self
+                    .caches
+                    .get(from)
+                    .ok_or_else(|| RankError::Protocol(format!("no sequence {from} to fork")))?;
+                let copy = source.fork(*len as usize)?;
+                self.caches.insert(*to, copy);
+                Ok(None)
+            }
             Step::Reset { seq } => {
                 if let Some(c) = self.caches.get_mut(seq) {
                     c.clear();

@@ -20,6 +20,8 @@ use crate::step::{Logits, Part};
 #[derive(Clone, Copy, Debug)]
 pub struct ServeConfig {
     pub limits: Limits,
+    /// Prompt positions kept after their answers for later requests that share them.
+    pub prefix_positions: usize,
 }
 
 impl ServeConfig {
@@ -33,7 +35,70 @@ impl ServeConfig {
                 kv_positions: context.saturating_mul(max_batch),
                 max_queue: 4 * max_batch.max(16),
             },
+            prefix_positions: 4 * context,
         }
+    }
+}
+
+/// A shared prefix shorter than this is computed again rather than copied.
+const MIN_PREFIX: usize = 32;
+
+/// Prompts kept on every rank after their answers: a request whose prompt starts the
+/// same way (an agent resending its conversation) starts from a copy of their keys and
+/// values. Least recently used first out, within a bound of positions.
+#[derive(Default)]
+struct Prefixes {
+    kept: Vec<Kept>,
+    clock: u64,
+}
+
+struct Kept {
+    seq: u64,
+    tokens: Vec<u32>,
+    used: u64,
+}
+
+impl Prefixes {
+    /// The kept sequence sharing the longest prefix with `prompt`, and how long.
+    fn longest(&mut self, prompt: &[u32]) -> Option<(u64, usize)> {
+        self.clock += 1;
+        let best = self
+            .kept
+            .iter_mut()
+            .map(|k| {
+                let n = k
+                    .tokens
+                    .iter()
+                    .zip(prompt)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                (n, k)
+            })
+            .max_by_key(|(n, _)| *n)?;
+        best.1.used = self.clock;
+        Some((best.1.seq, best.0))
+    }
+
+    /// Keeps `seq`'s prompt; returns the sequences to free (evicted, or `seq` itself
+    /// when the same prompt is kept already).
+    fn keep(&mut self, seq: u64, tokens: Vec<u32>, budget: usize) -> Vec<u64> {
+        if tokens.len() < MIN_PREFIX || self.kept.iter().any(|k| k.tokens == tokens) {
+            return vec![seq];
+        }
+        self.clock += 1;
+        self.kept.push(Kept {
+            seq,
+            tokens,
+            used: self.clock,
+        });
+        let mut freed = Vec::new();
+        while self.kept.iter().map(|k| k.tokens.len()).sum::<usize>() > budget {
+            let Some(oldest) = (0..self.kept.len()).min_by_key(|&i| self.kept[i].used) else {
+                break;
+            };
+            freed.push(self.kept.remove(oldest).seq);
+        }
+        freed
     }
 }
 
@@ -45,6 +110,8 @@ struct Seq<'e> {
     prompt: Vec<u32>,
     max_new: usize,
     prefilled: usize,
+    /// Prompt positions copied from a kept prefix.
+    cached: usize,
     decoder: Decoder<'e>,
     /// The token the next decode step feeds.
     next: Option<u32>,
@@ -81,7 +148,7 @@ impl Seq<'_> {
             finish_reason,
             usage: Usage {
                 prompt_tokens: self.prompt.len(),
-                cached_tokens: 0,
+                cached_tokens: self.cached,
                 completion_tokens: self.decoder.generated().len(),
             },
             timings: Timings {
@@ -103,6 +170,7 @@ struct Serving<'e, 'm, T: Transport> {
     send: &'m dyn Fn(FromRunner) -> bool,
     /// The load last reported: running, prefilling, waiting.
     reported: (usize, usize, usize),
+    prefixes: Prefixes,
 }
 
 /// Serves until the node closes the inbox (Ok) or the instance breaks (Err, after every
@@ -122,6 +190,7 @@ pub fn serve<T: Transport>(
         running: Vec::new(),
         send,
         reported: (0, 0, 0),
+        prefixes: Prefixes::default(),
     };
     loop {
         // Block only when there is nothing to compute.
@@ -174,6 +243,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             prompt,
             max_new,
             prefilled: 0,
+            cached: 0,
             decoder,
             next: None,
             arrived: Instant::now(),
@@ -260,8 +330,29 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         for _ in admit(&waiting, &running, &self.config.limits) {
             if let Some(mut s) = self.waiting.pop_front() {
                 s.admitted = Some(Instant::now());
+                self.start_from_prefix(&mut s);
                 self.running.push(s);
             }
+        }
+    }
+
+    /// Starts `s` from a copy of the longest kept prefix of its prompt, if long enough
+    /// (its last token is always computed: its logits give the first answer token).
+    fn start_from_prefix(&mut self, s: &mut Seq<'_>) {
+        let Some((from, shared)) = self.prefixes.longest(&s.prompt) else {
+            return;
+        };
+        let len = shared.min(s.prompt.len().saturating_sub(1));
+        if len < MIN_PREFIX {
+            return;
+        }
+        match self.model.fork(from, len) {
+            Ok(seq) => {
+                s.seq = seq;
+                s.prefilled = len;
+                s.cached = len;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot copy a kept prefix; computing it"),
         }
     }
 
@@ -341,7 +432,10 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             let s = self.running.remove(i);
             let why = s.decoder.finished().unwrap_or(FinishReason::Length);
             (self.send)(s.done(why));
-            self.model.release(s.seq)?;
+            let budget = self.config.prefix_positions;
+            for seq in self.prefixes.keep(s.seq, s.prompt, budget) {
+                self.model.release(seq)?;
+            }
         }
         Ok(())
     }

@@ -59,6 +59,17 @@ impl<T: Transport> SplitModel<T> {
         self.lead(&Step::Batch { parts })
     }
 
+    /// A new sequence holding a copy of the first `len` positions of `from`, on every rank.
+    pub fn fork(&self, from: u64, len: usize) -> shoal_engine::Result<u64> {
+        let to = self.open();
+        self.lead(&Step::Fork {
+            from,
+            to,
+            len: len as u32,
+        })?;
+        Ok(to)
+    }
+
     /// Frees sequence `seq`'s caches on every rank.
     pub fn release(&self, seq: u64) -> shoal_engine::Result<()> {
         self.lead(&Step::Release { seq }).map(|_| ())

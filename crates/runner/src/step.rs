@@ -46,6 +46,9 @@ pub enum Step {
     /// batching: decode tokens of many sequences and a slice of a prompt together). The
     /// logits come back as the wanted rows of every part, in part order.
     Batch { parts: Vec<Part> },
+    /// Start sequence `to` with a copy of the first `len` positions of `from` (a shared
+    /// prompt prefix).
+    Fork { from: u64, to: u64, len: u32 },
     /// Empty sequence `seq`.
     Reset { seq: u64 },
     /// Forget sequence `seq` and free its cache.
@@ -59,6 +62,7 @@ const RESET: u8 = 2;
 const SHUTDOWN: u8 = 3;
 const RELEASE: u8 = 4;
 const BATCH: u8 = 5;
+const FORK: u8 = 6;
 
 fn seq_at(b: &[u8], at: usize) -> Result<u64, String> {
     b.get(at..at + 8)
@@ -116,6 +120,13 @@ impl Step {
                 }
                 b
             }
+            Self::Fork { from, to, len } => [
+                &[FORK][..],
+                &from.to_le_bytes(),
+                &to.to_le_bytes(),
+                &len.to_le_bytes(),
+            ]
+            .concat(),
             Self::Reset { seq } => [&[RESET][..], &seq.to_le_bytes()].concat(),
             Self::Release { seq } => [&[RELEASE][..], &seq.to_le_bytes()].concat(),
             Self::Shutdown => vec![SHUTDOWN],
@@ -174,6 +185,11 @@ impl Step {
                     logits,
                 })
             }
+            Some(&FORK) if b.len() == 21 => Ok(Self::Fork {
+                from: seq_at(b, 1)?,
+                to: seq_at(b, 9)?,
+                len: u32_at(b, 17)?,
+            }),
             Some(&RESET) if b.len() == 9 => Ok(Self::Reset { seq: seq_at(b, 1)? }),
             Some(&RELEASE) if b.len() == 9 => Ok(Self::Release { seq: seq_at(b, 1)? }),
             Some(&SHUTDOWN) if b.len() == 1 => Ok(Self::Shutdown),
@@ -208,6 +224,11 @@ mod tests {
             Step::Reset { seq: 3 },
             Step::Release { seq: 4 },
             Step::Shutdown,
+            Step::Fork {
+                from: 1,
+                to: 2,
+                len: 2000,
+            },
             Step::Batch { parts: vec![] },
             Step::Batch {
                 parts: vec![
