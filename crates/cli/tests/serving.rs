@@ -1,8 +1,8 @@
 //! One instance serving many clients, on a node of its own host (a network namespace):
 //!
-//! - sixteen concurrent greedy requests get what each gets alone (the test prints each
-//!   prompt's smallest top-2 logit margin over its answer: a near tie could flip under
-//!   the batch's other summation order);
+//! - sixteen concurrent greedy requests (the eight prompts with the firmest margins,
+//!   twice each) get what each gets alone (the test prints each prompt's smallest top-2
+//!   logit margin over its answer: a near tie could flip under another kernel path);
 //! - a client that goes away is cancelled wherever its request is — waiting for room,
 //!   prefilling a 4000-token prompt, decoding — seen in the node's state within a step;
 //! - the peer system's ignored cancellation: a client gone a second into a 1500-token
@@ -172,7 +172,7 @@ fn sixteen_concurrent_greedy_answers_equal_each_alone() {
         "What is the capital of Spain?",
     ];
     const TOKENS: usize = 16;
-    const FIRM: f32 = 0.05;
+    const FIRM: f32 = 0.15;
 
     // Each alone, in this process with the serving kernels, and its smallest margin.
     let store = shoal_store::Store::from_env();
@@ -219,13 +219,24 @@ fn sixteen_concurrent_greedy_answers_equal_each_alone() {
     for (m, p, t) in &scored {
         eprintln!("margin {m:.3}: {p:?} -> {t:?}");
     }
-    scored.truncate(16);
+    // The eight firmest, each asked twice at once: sixteen requests, identical ones
+    // side by side in the batch too. (With margins near 0.1, one prompt in a CI run
+    // drifted: prompt rows sliced otherwise than alone take another kernel path.)
+    scored.truncate(8);
     assert!(
         scored.iter().all(|(m, _, _)| *m >= FIRM),
-        "fewer than 16 prompts with a top-2 margin of {FIRM} or more"
+        "fewer than 8 prompts with a top-2 margin of {FIRM} or more"
     );
-    let prompts: Vec<String> = scored.iter().map(|(_, p, _)| p.clone()).collect();
-    let alone: Vec<String> = scored.into_iter().map(|(_, _, t)| t).collect();
+    let prompts: Vec<String> = scored
+        .iter()
+        .chain(&scored)
+        .map(|(_, p, _)| p.clone())
+        .collect();
+    let alone: Vec<String> = scored
+        .iter()
+        .chain(&scored)
+        .map(|(_, _, t)| t.clone())
+        .collect();
 
     // All sixteen at once through the node.
     let streams: Vec<Stream> = prompts
