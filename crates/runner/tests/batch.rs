@@ -4,15 +4,11 @@
 
 mod common;
 
-use std::thread;
-use std::time::Duration;
-
 use candle_core::quantized::GgmlDType;
-use common::model_file;
-use shoal_collectives::local::local_group;
+use common::{model_file, start_split, stop_split};
 use shoal_engine::{LocalSession, Session};
 use shoal_model::{Architecture, GgufFile, Model};
-use shoal_runner::{Logits, Part, Rank, SplitModel, Strategy, plan};
+use shoal_runner::{Logits, Part, Strategy};
 
 const SEQS: usize = 16;
 const STEPS: usize = 9;
@@ -81,26 +77,7 @@ fn alone(path: &std::path::Path) -> Vec<Vec<Vec<Vec<f32>>>> {
 // `got` is indexed by sequence and step alike.
 #[allow(clippy::needless_range_loop)]
 fn batched(path: &std::path::Path, strategy: Strategy, world: usize) -> Vec<Vec<Vec<Vec<f32>>>> {
-    let file = GgufFile::open(path).expect("open");
-    let config = file.model_config().expect("config").clone();
-    let specs = plan(&config, strategy, world).expect("plan");
-    let groups = local_group(world, Duration::from_secs(20));
-    let mut handles = Vec::new();
-    let mut lead = None;
-    for (spec, group) in specs.into_iter().zip(groups) {
-        let path = path.to_path_buf();
-        let make = move || {
-            let file = GgufFile::open(&path).expect("open");
-            let model = Model::load(&file, spec.load.clone(), 256).expect("load shard");
-            Rank::new(spec, model, group).expect("rank")
-        };
-        if lead.is_none() {
-            lead = Some(make());
-        } else {
-            handles.push(thread::spawn(move || make().follow()));
-        }
-    }
-    let model = SplitModel::new(lead.expect("rank 0"));
+    let (model, handles) = start_split(path, strategy, world);
     let seqs: Vec<u64> = (0..SEQS).map(|_| model.open()).collect();
     let mut got = vec![vec![Vec::new(); STEPS]; SEQS];
     let mut sizes = Vec::new();
@@ -138,10 +115,7 @@ fn batched(path: &std::path::Path, strategy: Strategy, world: usize) -> Vec<Vec<
         sizes.contains(&1) || sizes.iter().any(|&s| s >= 12),
         "{sizes:?}"
     );
-    model.shutdown().expect("shutdown");
-    for h in handles {
-        h.join().expect("join").expect("rank finished cleanly");
-    }
+    stop_split(model, handles);
     got
 }
 

@@ -3,16 +3,16 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::Duration;
 
 use candle_core::quantized::GgmlDType;
-use shoal_collectives::local::local_group;
+use shoal_collectives::local::{LocalTransport, local_group};
 use shoal_engine::{LocalSession, Session};
 use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
 use shoal_model::{Architecture, GgufFile, Model, Tensor};
-use shoal_runner::{Rank, SplitModel, Strategy, plan};
+use shoal_runner::{Rank, RankError, SplitModel, Strategy, plan};
 
 pub fn model_file(arch: Architecture, dtype: GgmlDType) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("shoal-split-{}", std::process::id()));
@@ -84,7 +84,15 @@ pub fn single(path: &PathBuf) -> (Trace, Vec<u32>) {
     script(&mut LocalSession::new(&model), None)
 }
 
-pub fn split(path: &PathBuf, strategy: Strategy, world: usize, forced: &[u32]) -> Trace {
+/// Rank 0 of `path` split `world` ways, the other ranks following on threads.
+pub fn start_split(
+    path: &Path,
+    strategy: Strategy,
+    world: usize,
+) -> (
+    SplitModel<LocalTransport>,
+    Vec<thread::JoinHandle<Result<(), RankError>>>,
+) {
     let file = GgufFile::open(path).expect("open");
     let config = file.model_config().expect("config").clone();
     let specs = plan(&config, strategy, world).expect("plan");
@@ -92,7 +100,7 @@ pub fn split(path: &PathBuf, strategy: Strategy, world: usize, forced: &[u32]) -
     let mut handles = Vec::new();
     let mut lead = None;
     for (spec, group) in specs.into_iter().zip(groups) {
-        let path = path.clone();
+        let path = path.to_path_buf();
         let make = move || {
             let file = GgufFile::open(&path).expect("open");
             let model = Model::load(&file, spec.load.clone(), 256).expect("load shard");
@@ -104,12 +112,24 @@ pub fn split(path: &PathBuf, strategy: Strategy, world: usize, forced: &[u32]) -
             handles.push(thread::spawn(move || make().follow()));
         }
     }
-    let model = SplitModel::new(lead.expect("rank 0"));
-    let (trace, _) = script(&mut model.session(), Some(forced));
+    (SplitModel::new(lead.expect("rank 0")), handles)
+}
+
+/// Shuts the split down and checks every rank ended cleanly.
+pub fn stop_split(
+    model: SplitModel<LocalTransport>,
+    handles: Vec<thread::JoinHandle<Result<(), RankError>>>,
+) {
     model.shutdown().expect("shutdown");
     for h in handles {
         h.join().expect("join").expect("rank finished cleanly");
     }
+}
+
+pub fn split(path: &Path, strategy: Strategy, world: usize, forced: &[u32]) -> Trace {
+    let (model, handles) = start_split(path, strategy, world);
+    let (trace, _) = script(&mut model.session(), Some(forced));
+    stop_split(model, handles);
     trace
 }
 
