@@ -129,6 +129,18 @@ fn ask(node: &Node) -> Result<String, String> {
     }
 }
 
+/// The question asked through every node answers "Paris".
+fn every_node_answers_paris(c: &Cluster) {
+    for n in &c.nodes {
+        let answer = ask(n).unwrap_or_else(|e| panic!("through host {}: {e}", n.host));
+        assert!(
+            answer.contains("Paris"),
+            "through host {}: {answer:?}",
+            n.host
+        );
+    }
+}
+
 #[test]
 fn three_hosts_find_each_other_pull_the_model_and_answer_through_every_node() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -157,14 +169,7 @@ fn three_hosts_find_each_other_pull_the_model_and_answer_through_every_node() {
         let marker = n.dir.join("models").join(MODEL).join(".sha256");
         assert!(marker.exists(), "host {} has no verified copy", n.host);
     }
-    for n in &c.nodes {
-        let answer = ask(n).unwrap_or_else(|e| panic!("through host {}: {e}", n.host));
-        assert!(
-            answer.contains("Paris"),
-            "through host {}: {answer:?}",
-            n.host
-        );
-    }
+    every_node_answers_paris(&c);
 }
 
 /// A streaming client running inside a host; its stdout lines arrive on a channel.
@@ -240,14 +245,7 @@ fn a_cut_cable_is_an_error_within_seconds_and_the_rest_answer_again() {
     eventually(Duration::from_secs(120), "tensor over 2 ready", || {
         ready(&c.nodes[0], &id)
     });
-    for n in &c.nodes {
-        let answer = ask(n).unwrap_or_else(|e| panic!("through host {}: {e}", n.host));
-        assert!(
-            answer.contains("Paris"),
-            "through host {}: {answer:?}",
-            n.host
-        );
-    }
+    every_node_answers_paris(&c);
 
     let inst = instance(&c.nodes[0], &id).expect("the instance");
     let node_of = |rank: usize| {
