@@ -1,11 +1,12 @@
 //! Micro-benchmark of the quantized matmul on one matrix shape, every block type and
 //! instruction set: `cargo run --release -p shoal-kernels --example kernel_bench -- ROWS COLS T THREADS`.
 //! Prints nanoseconds per call and per 32 weights. `KERNEL_BENCH_ISA=Amx` (or another
-//! instruction set's name) and `KERNEL_BENCH_TYPE=Q4_1` (a block type) narrow it down.
+//! instruction set's name) and `KERNEL_BENCH_TYPE=Q4_1` (a block type) narrow it down;
+//! `KERNEL_BENCH_ROWS=int8` pins the serving path's decode rows (`shoal_kernels::Rows`).
 
 use std::time::Instant;
 
-use shoal_kernels::{BlockType, Isa, QuantMatrix, ThreadPool, matmul_with};
+use shoal_kernels::{BlockType, Isa, QuantMatrix, Rows, ThreadPool, matmul_with, with_rows};
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -23,6 +24,12 @@ fn main() {
     let mut out = vec![0f32; t * rows];
     println!("rows {rows} cols {cols} tokens {t} threads {threads}");
     let only_type = std::env::var("KERNEL_BENCH_TYPE").ok();
+    // KERNEL_BENCH_ROWS=int8: the serving path's decode rows (each token as alone).
+    let pinned = match std::env::var("KERNEL_BENCH_ROWS").as_deref() {
+        Ok("int8") => Rows::Int8,
+        Ok("bf16") => Rows::Bf16,
+        _ => Rows::ByCount,
+    };
     for ty in BlockType::ALL {
         if only_type.as_ref().is_some_and(|o| *o != format!("{ty:?}")) {
             continue;
@@ -42,12 +49,14 @@ fn main() {
                 continue;
             }
             let iters = (2e8 as usize / (rows * cols * t)).max(3);
-            matmul_with(isa, &pool, &m, &x, t, &mut out).expect("warm");
-            let start = Instant::now();
-            for _ in 0..iters {
-                matmul_with(isa, &pool, &m, &x, t, &mut out).expect("matmul");
-            }
-            let ns = start.elapsed().as_nanos() as f64 / iters as f64;
+            let ns = with_rows(pinned, || {
+                matmul_with(isa, &pool, &m, &x, t, &mut out).expect("warm");
+                let start = Instant::now();
+                for _ in 0..iters {
+                    matmul_with(isa, &pool, &m, &x, t, &mut out).expect("matmul");
+                }
+                start.elapsed().as_nanos() as f64 / iters as f64
+            });
             let per_block = ns / (rows * cols * t / 32) as f64 * threads as f64;
             println!(
                 "{ty:?} {isa:?}: {:.1} us per call, {:.2} ns per 32 weights per thread, {:.1} GB/s of weights",

@@ -117,6 +117,10 @@ impl Activations {
         self.t
     }
 
+    pub(crate) fn cols(&self) -> usize {
+        self.k
+    }
+
     #[inline]
     pub(crate) fn row(&self, i: usize) -> (&[i8], &[f32], &[f32]) {
         let k = self.k;
@@ -271,7 +275,8 @@ pub fn matmul_with(
 
 /// Each token of `acts` with each block decoded in registers (no unpacked row): rows
 /// `range` of `w` into `out[tok * w.rows + range]`. A token's result does not depend on
-/// the others.
+/// the others: on AVX-512 up to four tokens share each decoded block, each computed by
+/// the single-token arithmetic.
 ///
 /// # Safety
 /// `isa` is available and not `Scalar`; `acts` holds rows of `w.cols` values; `out`
@@ -290,23 +295,35 @@ unsafe fn decode_rows(
     while r < range.end {
         let take = (range.end - r).min(crate::fused::rows_per_pass());
         let rows: [&[u8]; crate::fused::ROWS] = std::array::from_fn(|i| w.row(r + i.min(take - 1)));
-        for tok in 0..acts.rows() {
-            let (xq, xd, xs) = acts.row(tok);
-            let mut vals = [0f32; crate::fused::ROWS];
-            // SAFETY: the Isa is available (the caller's contract); the activation row
-            // covers the weight rows (all have `cols` values).
+        let mut tok = 0;
+        while tok < acts.rows() {
+            let with = match isa {
+                Isa::Avx512Vnni | Isa::Amx => crate::wide::TOKENS,
+                _ => 1,
+            };
+            let tokens = (acts.rows() - tok).min(with);
+            let mut vals = [[0f32; crate::fused::ROWS]; crate::wide::TOKENS];
+            // SAFETY: the Isa is available (the caller's contract); the activation rows
+            // cover the weight rows (all have `cols` values).
             unsafe {
                 match isa {
                     Isa::Avx512Vnni | Isa::Amx => {
-                        crate::wide::dot(w.ty, &rows[..take], xq, xd, xs, &mut vals)
+                        crate::wide::dot(w.ty, &rows[..take], acts, tok, tokens, &mut vals)
                     }
-                    _ => crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals),
+                    _ => {
+                        let (xq, xd, xs) = acts.row(tok);
+                        crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals[0])
+                    }
                 }
             };
-            for (i, v) in vals.iter().enumerate().take(take) {
-                // SAFETY: `r + i < range.end ≤ w.rows`, this thread's rows (the contract).
-                unsafe { *out.add(tok * n + r + i) = *v };
+            for (j, row) in vals.iter().enumerate().take(tokens) {
+                for (i, v) in row.iter().enumerate().take(take) {
+                    // SAFETY: `r + i < range.end ≤ w.rows`, this thread's rows (the
+                    // contract).
+                    unsafe { *out.add((tok + j) * n + r + i) = *v };
+                }
             }
+            tok += tokens;
         }
         r += take;
     }

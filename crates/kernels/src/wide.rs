@@ -17,6 +17,7 @@
 use std::arch::x86_64::*;
 
 use crate::BlockType;
+use crate::matmul::Activations;
 
 /// How far ahead of the block in hand the weights are prefetched when a pass's rows are
 /// long, in bytes.
@@ -37,78 +38,107 @@ pub(crate) fn prefetch_distance(row_bytes: usize) -> usize {
     }
 }
 
-/// `Σ w·x` of up to four packed rows (`rows[..n]`) and one quantized activation row (as
-/// in `fused`), into `out[..n]`.
+/// Tokens one call takes at most: each weight block is decoded once for all of them.
+pub(crate) const TOKENS: usize = 4;
+
+/// `Σ w·x` of up to four packed rows (`rows[..n]`) and activation rows `first..first +
+/// count` of `acts` (`count ≤` [`TOKENS`]), into `out[token][..n]`. Every (row, token)
+/// pair is computed by the same operations in the same order whatever the number of rows
+/// and tokens beside it, so a token's result is bit for bit the one it gets alone: the
+/// weights are decoded once per block and used by every token, the arithmetic stays per
+/// pair.
 ///
 /// # Safety
-/// The CPU must have the features of `Isa::Avx512Vnni`; every row has the same length
-/// and `xq`, `xd`, `xs` cover it.
+/// The CPU must have the features of `Isa::Avx512Vnni`; every row has the same length,
+/// `acts` rows of that many values.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub(crate) unsafe fn dot(
     ty: BlockType,
     rows: &[&[u8]],
-    xq: &[i8],
-    xd: &[f32],
-    xs: &[f32],
-    out: &mut [f32],
+    acts: &Activations,
+    first: usize,
+    count: usize,
+    out: &mut [[f32; crate::fused::ROWS]; TOKENS],
 ) {
-    let cols = xq.len();
-    assert!(xd.len() * 32 >= cols && xs.len() * 16 >= cols);
+    let cols = acts.cols();
+    assert!(first + count <= acts.rows() && (1..=TOKENS).contains(&count));
     assert!(rows.iter().all(|r| r.len() == ty.row_bytes(cols)));
-    // SAFETY: lengths checked above; features forwarded.
-    unsafe {
-        match rows.len() {
-            1 => dot_n::<1>(ty, rows, xq, xd, xs, out),
-            2 => dot_n::<2>(ty, rows, xq, xd, xs, out),
-            3 => dot_n::<3>(ty, rows, xq, xd, xs, out),
-            _ => dot_n::<4>(ty, rows, xq, xd, xs, out),
-        }
+    macro_rules! by_rows {
+        ($t:literal) => {
+            // SAFETY: lengths checked above; features forwarded.
+            unsafe {
+                match rows.len() {
+                    1 => dot_n::<1, $t>(ty, rows, acts, first, out),
+                    2 => dot_n::<2, $t>(ty, rows, acts, first, out),
+                    3 => dot_n::<3, $t>(ty, rows, acts, first, out),
+                    _ => dot_n::<4, $t>(ty, rows, acts, first, out),
+                }
+            }
+        };
+    }
+    match count {
+        1 => by_rows!(1),
+        2 => by_rows!(2),
+        3 => by_rows!(3),
+        _ => by_rows!(4),
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn dot_n<const R: usize>(
+unsafe fn dot_n<const R: usize, const T: usize>(
     ty: BlockType,
     rows: &[&[u8]],
-    xq: &[i8],
-    xd: &[f32],
-    xs: &[f32],
-    out: &mut [f32],
+    acts: &Activations,
+    first: usize,
+    out: &mut [[f32; crate::fused::ROWS]; TOKENS],
 ) {
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut bias = [_mm512_setzero_ps(); R];
-    let ahead = prefetch_distance(ty.row_bytes(xq.len()));
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut bias = [[_mm512_setzero_ps(); T]; R];
+    let cols = acts.cols();
+    let mut x = [std::ptr::null(); T];
+    let mut xd = [std::ptr::null(); T];
+    let mut xs = [std::ptr::null(); T];
+    for t in 0..T {
+        let (q, d, s) = acts.row(first + t);
+        (x[t], xd[t], xs[t]) = (q.as_ptr() as *const u8, d.as_ptr(), s.as_ptr());
+    }
+    let mut rp = [std::ptr::null(); R];
+    for r in 0..R {
+        rp[r] = rows[r].as_ptr();
+    }
     let input = Input {
-        rows: std::array::from_fn(|r| rows[r].as_ptr()),
-        x: xq.as_ptr() as *const u8,
+        rows: rp,
+        x,
         xd,
         xs,
-        ahead,
+        ahead: prefetch_distance(ty.row_bytes(cols)),
     };
     // SAFETY: every pointer below stays inside its row or activation slice: the callers
     // checked that the rows hold `cols / block_size` whole blocks and the activations
     // `cols` values; prefetches never fault.
     unsafe {
         match ty {
-            BlockType::Q4K => q4k::<R>(&input, xq.len() / 256, &mut acc, &mut bias),
-            BlockType::Q6K => q6k::<R>(&input, xq.len() / 256, &mut acc, &mut bias),
-            _ => blocks32::<R>(ty, &input, xq.len() / 32, &mut acc, &mut bias),
+            BlockType::Q4K => q4k::<R, T>(&input, cols / 256, &mut acc, &mut bias),
+            BlockType::Q6K => q6k::<R, T>(&input, cols / 256, &mut acc, &mut bias),
+            _ => blocks32::<R, T>(ty, &input, cols / 32, &mut acc, &mut bias),
         }
     }
     for r in 0..R {
-        out[r] = _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(bias[r]);
+        for t in 0..T {
+            out[t][r] = _mm512_reduce_add_ps(acc[r][t]) + _mm512_reduce_add_ps(bias[r][t]);
+        }
     }
 }
 
-/// What every kernel reads: `R` weight rows, the quantized activations (bytes, per-32
-/// scales, per-16 sums) and the prefetch distance.
+/// What every kernel reads: `R` weight rows, `T` quantized activation rows (bytes,
+/// per-32 scales, per-16 sums) and the prefetch distance.
 #[derive(Clone, Copy)]
-struct Input<'a, const R: usize> {
+struct Input<const R: usize, const T: usize> {
     rows: [*const u8; R],
-    x: *const u8,
-    xd: &'a [f32],
-    xs: &'a [f32],
+    x: [*const u8; T],
+    xd: [*const f32; T],
+    xs: [*const f32; T],
     ahead: usize,
 }
 
@@ -151,12 +181,12 @@ unsafe fn prefetch(p: *const u8) {
 /// The 32-weight block types, eight blocks (one activation super-block's worth) at a time.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn blocks32<const R: usize>(
+unsafe fn blocks32<const R: usize, const T: usize>(
     ty: BlockType,
-    input: &Input<'_, R>,
+    input: &Input<R, T>,
     blocks: usize,
-    acc: &mut [__m512; R],
-    bias: &mut [__m512; R],
+    acc: &mut [[__m512; T]; R],
+    bias: &mut [[__m512; T]; R],
 ) {
     let Input {
         rows,
@@ -190,28 +220,14 @@ unsafe fn blocks32<const R: usize>(
         let mask8 = (((1u32 << n) - 1) & 0xFF) as u8;
         let mask16 = ((1u32 << (2 * n)) - 1) as u16;
         // SAFETY: the masks keep the loads inside the `blocks` blocks.
-        let (dx, sums) = unsafe {
-            (
-                _mm256_maskz_loadu_ps(mask8, xd.as_ptr().add(g)),
-                _mm512_maskz_loadu_ps(mask16, xs.as_ptr().add(2 * g)),
-            )
-        };
-        // Activations of each pair of blocks; a lone last block gets zeros above it.
-        let xv: [__m512i; 4] = std::array::from_fn(|p| {
-            let b = 2 * p;
-            let bytes = if b + 1 < n {
-                u64::MAX
-            } else if b < n {
-                u32::MAX as u64
-            } else {
-                0
-            };
-            // SAFETY: masked to the blocks that exist.
-            unsafe { _mm512_maskz_loadu_epi8(bytes, x.add((g + b) * 32) as *const i8) }
-        });
-        // Per row: prefetch, the eight blocks' scales (`s`) and their bias terms. The
-        // row loops are innermost and short, so the accumulators stay in registers.
-        let mut s = [_mm512_setzero_ps(); R];
+        let dx: [__m256; T] =
+            std::array::from_fn(|t| unsafe { _mm256_maskz_loadu_ps(mask8, xd[t].add(g)) });
+        // SAFETY: as above.
+        let sums: [__m512; T] =
+            std::array::from_fn(|t| unsafe { _mm512_maskz_loadu_ps(mask16, xs[t].add(2 * g)) });
+        // Per row: prefetch, the eight blocks' scales (`s`, per token) and their bias
+        // terms.
+        let mut s = [[_mm512_setzero_ps(); T]; R];
         for r in 0..R {
             // SAFETY: block `g + b` for `b < n` lies inside the row.
             unsafe {
@@ -234,16 +250,21 @@ unsafe fn blocks32<const R: usize>(
                 } else {
                     _mm256_mul_ps(d, _mm256_set1_ps(bias_of_d))
                 };
-                bias[r] = _mm512_fmadd_ps(
-                    _mm512_permutexvar_ps(spread, _mm512_zextps256_ps512(coeff)),
-                    sums,
-                    bias[r],
-                );
-                s[r] = _mm512_zextps256_ps512(_mm256_mul_ps(d, dx));
+                let coeff = _mm512_permutexvar_ps(spread, _mm512_zextps256_ps512(coeff));
+                for t in 0..T {
+                    bias[r][t] = _mm512_fmadd_ps(coeff, sums[t], bias[r][t]);
+                    s[r][t] = _mm512_zextps256_ps512(_mm256_mul_ps(d, dx[t]));
+                }
             }
         }
         let mut b = 0;
         while b < n {
+            // Activations of the pair of blocks; a lone last block gets zeros above it.
+            let bytes = if b + 1 < n { u64::MAX } else { u32::MAX as u64 };
+            // SAFETY: masked to the blocks that exist.
+            let xv: [__m512i; T] = std::array::from_fn(|t| unsafe {
+                _mm512_maskz_loadu_epi8(bytes, x[t].add((g + b) * 32) as *const i8)
+            });
             for r in 0..R {
                 // SAFETY: blocks `g + b` (and `g + b + 1` when `b + 1 < n`) lie inside
                 // the row.
@@ -281,12 +302,14 @@ unsafe fn blocks32<const R: usize>(
                             }
                         }
                     };
-                    let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[b / 2]);
-                    acc[r] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(p),
-                        _mm512_permutexvar_ps(pair_index[b / 2], s[r]),
-                        acc[r],
-                    );
+                    for t in 0..T {
+                        let p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[t]);
+                        acc[r][t] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(p),
+                            _mm512_permutexvar_ps(pair_index[b / 2], s[r][t]),
+                            acc[r][t],
+                        );
+                    }
                 }
             }
             b += 2;
@@ -299,11 +322,11 @@ unsafe fn blocks32<const R: usize>(
 /// and 4-bit `q`, low nibbles of 32 bytes then their high nibbles.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q4k<const R: usize>(
-    input: &Input<'_, R>,
+unsafe fn q4k<const R: usize, const T: usize>(
+    input: &Input<R, T>,
     blocks: usize,
-    acc: &mut [__m512; R],
-    bias: &mut [__m512; R],
+    acc: &mut [[__m512; T]; R],
+    bias: &mut [[__m512; T]; R],
 ) {
     let Input {
         rows,
@@ -319,11 +342,9 @@ unsafe fn q4k<const R: usize>(
     for sb in 0..blocks {
         // SAFETY: super-block `sb` lies inside the rows and the activations.
         unsafe {
-            let dx = _mm256_loadu_ps(xd.as_ptr().add(sb * 8));
-            let sums = _mm512_loadu_ps(xs.as_ptr().add(sb * 16));
-            let xv: [__m512i; 4] =
-                std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
-            let mut s = [_mm512_setzero_ps(); R];
+            let dx: [__m256; T] = std::array::from_fn(|t| _mm256_loadu_ps(xd[t].add(sb * 8)));
+            let sums: [__m512; T] = std::array::from_fn(|t| _mm512_loadu_ps(xs[t].add(sb * 16)));
+            let mut s = [[_mm512_setzero_ps(); T]; R];
             for r in 0..R {
                 let blk = rows[r].add(sb * 144);
                 prefetch(blk.wrapping_add(ahead));
@@ -339,23 +360,32 @@ unsafe fn q4k<const R: usize>(
                 let mn = (b & 0x3f3f_3f3f) as u64
                     | ((((c >> 4) & 0x0f0f_0f0f) | (((b >> 6) & 0x0303_0303) << 4)) as u64) << 32;
                 let scales = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)));
-                s[r] = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_mul_ps(scales, d), dx));
+                let scales = _mm256_mul_ps(scales, d);
                 let mins = _mm_cvtsi64_si128(mn as i64);
                 let mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(mins, mins)));
-                bias[r] = _mm512_fnmadd_ps(_mm512_mul_ps(mins, dmin), sums, bias[r]);
+                let mins = _mm512_mul_ps(mins, dmin);
+                for t in 0..T {
+                    s[r][t] = _mm512_zextps256_ps512(_mm256_mul_ps(scales, dx[t]));
+                    bias[r][t] = _mm512_fnmadd_ps(mins, sums[t], bias[r][t]);
+                }
             }
             for p in 0..4 {
+                let xv: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_loadu_si512(x[t].add(sb * 256 + 64 * p) as *const _)
+                });
                 for r in 0..R {
                     let packed = _mm512_broadcast_i64x4(_mm256_loadu_si256(
                         rows[r].add(sb * 144 + 16 + 32 * p) as *const _,
                     ));
                     let q = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), m4);
-                    let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[p]);
-                    acc[r] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(prod),
-                        _mm512_permutexvar_ps(pair_index[p], s[r]),
-                        acc[r],
-                    );
+                    for t in 0..T {
+                        let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[t]);
+                        acc[r][t] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(prod),
+                            _mm512_permutexvar_ps(pair_index[p], s[r][t]),
+                            acc[r][t],
+                        );
+                    }
                 }
             }
         }
@@ -366,11 +396,11 @@ unsafe fn q4k<const R: usize>(
 /// 0..64 (bias `-32·d·sc`) from four low bits in `ql` and two high bits in `qh`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn q6k<const R: usize>(
-    input: &Input<'_, R>,
+unsafe fn q6k<const R: usize, const T: usize>(
+    input: &Input<R, T>,
     blocks: usize,
-    acc: &mut [__m512; R],
-    bias: &mut [__m512; R],
+    acc: &mut [[__m512; T]; R],
+    bias: &mut [[__m512; T]; R],
 ) {
     let Input {
         rows,
@@ -411,14 +441,14 @@ unsafe fn q6k<const R: usize>(
     for sb in 0..blocks {
         // SAFETY: super-block `sb` lies inside the rows and the activations.
         unsafe {
-            let dx = _mm512_permutexvar_ps(
-                spread,
-                _mm512_zextps256_ps512(_mm256_loadu_ps(xd.as_ptr().add(sb * 8))),
-            );
-            let sums = _mm512_loadu_ps(xs.as_ptr().add(sb * 16));
-            let xv: [__m512i; 4] =
-                std::array::from_fn(|p| _mm512_loadu_si512(x.add(sb * 256 + 64 * p) as *const _));
-            let mut s = [_mm512_setzero_ps(); R];
+            let dx: [__m512; T] = std::array::from_fn(|t| {
+                _mm512_permutexvar_ps(
+                    spread,
+                    _mm512_zextps256_ps512(_mm256_loadu_ps(xd[t].add(sb * 8))),
+                )
+            });
+            let sums: [__m512; T] = std::array::from_fn(|t| _mm512_loadu_ps(xs[t].add(sb * 16)));
+            let mut s = [[_mm512_setzero_ps(); T]; R];
             for r in 0..R {
                 let blk = rows[r].add(sb * 210);
                 prefetch(blk.wrapping_add(ahead));
@@ -434,11 +464,18 @@ unsafe fn q6k<const R: usize>(
                     ))),
                     d,
                 );
-                bias[r] =
-                    _mm512_fmadd_ps(_mm512_mul_ps(scales, _mm512_set1_ps(-32.0)), sums, bias[r]);
-                s[r] = _mm512_mul_ps(scales, dx);
+                let coeff = _mm512_mul_ps(scales, _mm512_set1_ps(-32.0));
+                for t in 0..T {
+                    bias[r][t] = _mm512_fmadd_ps(coeff, sums[t], bias[r][t]);
+                    s[r][t] = _mm512_mul_ps(scales, dx[t]);
+                }
             }
             for half in 0..2 {
+                let xv: [[__m512i; 2]; T] = std::array::from_fn(|t| {
+                    std::array::from_fn(|i| {
+                        _mm512_loadu_si512(x[t].add(sb * 256 + 64 * (2 * half + i)) as *const _)
+                    })
+                });
                 for r in 0..R {
                     let blk = rows[r].add(sb * 210);
                     let low = _mm512_loadu_si512(blk.add(64 * half) as *const _);
@@ -455,13 +492,16 @@ unsafe fn q6k<const R: usize>(
                         _mm512_srlv_epi16(high, down),
                         m30,
                     );
-                    for (j, q) in [(2 * half, q01), (2 * half + 1, q23)] {
-                        let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[j]);
-                        acc[r] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(prod),
-                            _mm512_permutexvar_ps(group_index[j], s[r]),
-                            acc[r],
-                        );
+                    for (i, q) in [q01, q23].into_iter().enumerate() {
+                        let j = 2 * half + i;
+                        for t in 0..T {
+                            let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[t][i]);
+                            acc[r][t] = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(prod),
+                                _mm512_permutexvar_ps(group_index[j], s[r][t]),
+                                acc[r][t],
+                            );
+                        }
                     }
                 }
             }

@@ -8,7 +8,8 @@ use candle_core::Device;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use half::f16;
 use shoal_kernels::{
-    BlockType, Isa, QuantMatrix, ThreadPool, dequantize_row, matmul_many_with, matmul_with,
+    BlockType, Isa, QuantMatrix, Rows, ThreadPool, dequantize_row, matmul_many_with, matmul_with,
+    with_rows,
 };
 
 struct Rng(u64);
@@ -332,6 +333,45 @@ fn several_matrices_in_one_call_equal_one_call_each() {
         &mut [&mut a, &mut b],
     );
     assert!(err.is_err(), "matrices of different widths are refused");
+}
+
+#[test]
+fn decode_rows_together_equal_each_alone_bit_for_bit() {
+    // The serving path (`Rows::Int8`) shares each decoded weight block among several
+    // tokens; every token must still get exactly what it gets alone, whatever its place
+    // in the batch (odd token counts leave remainders; 17 blocks of 32 leave a lone one).
+    let mut rng = Rng(11);
+    for ty in BlockType::ALL {
+        let cols = if ty.block_size() == 256 { 768 } else { 544 };
+        let rows = 11;
+        let data = make_matrix(ty, rows, cols, Fill::Random, &mut rng);
+        let m = QuantMatrix::new(ty, rows, cols, data).expect("matrix");
+        for isa in Isa::available() {
+            for threads in [1, 2] {
+                let pool = ThreadPool::new(threads);
+                let t = 9;
+                let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
+                let mut together = vec![0f32; t * rows];
+                with_rows(Rows::Int8, || {
+                    matmul_with(isa, &pool, &m, &x, t, &mut together).expect("matmul")
+                });
+                for tok in 0..t {
+                    let mut alone = vec![0f32; rows];
+                    let xi = &x[tok * cols..(tok + 1) * cols];
+                    matmul_with(isa, &pool, &m, xi, 1, &mut alone).expect("matmul");
+                    let got = &together[tok * rows..(tok + 1) * rows];
+                    let same = got
+                        .iter()
+                        .zip(&alone)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(
+                        same,
+                        "{isa:?} {ty:?} threads {threads} token {tok}: {got:?} vs {alone:?}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
