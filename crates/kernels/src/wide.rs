@@ -369,7 +369,7 @@ unsafe fn q4k<const R: usize, const T: usize>(
                     bias[r][t] = _mm512_fnmadd_ps(mins, sums[t], bias[r][t]);
                 }
             }
-            for p in 0..4 {
+            for (p, pair) in pair_index.iter().enumerate() {
                 let xv: [__m512i; T] = std::array::from_fn(|t| {
                     _mm512_loadu_si512(x[t].add(sb * 256 + 64 * p) as *const _)
                 });
@@ -382,7 +382,7 @@ unsafe fn q4k<const R: usize, const T: usize>(
                         let prod = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv[t]);
                         acc[r][t] = _mm512_fmadd_ps(
                             _mm512_cvtepi32_ps(prod),
-                            _mm512_permutexvar_ps(pair_index[p], s[r][t]),
+                            _mm512_permutexvar_ps(*pair, s[r][t]),
                             acc[r][t],
                         );
                     }
