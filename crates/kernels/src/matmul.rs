@@ -132,6 +132,10 @@ impl Activations {
     }
 }
 
+/// Batches at least this large take the AVX-512 register tiles; smaller ones, the
+/// single-token kernel a few tokens at a time (the same arithmetic either way).
+const TILE_MIN_TOKENS: usize = 6;
+
 /// Batches at least this large take the AMX tiles (when the Isa is [`Isa::Amx`]): below
 /// it, dequantizing the weights to bf16 costs more than the VNNI tiles' whole product
 /// (`kernel_bench 1536 1536 T 1`: the two meet between 8 and 16 tokens).
@@ -213,11 +217,16 @@ pub fn matmul_with(
         return Ok(());
     }
     let acts = Activations::quantize(x, t, w.cols)?;
-    // Rows of different sequences' decode steps: each computed by the single-token
-    // kernel, bit for bit as it would be alone (a few weight rows at a time, kept in
-    // cache while every token passes over them).
-    let batch_of_tokens = ROWS.with(|c| c.get()) == Rows::Int8 && t > 1;
-    if crate::tile::applies(isa, w, t) && !batch_of_tokens {
+    // The AVX-512 register tiles compute every row as the single-token kernel does, bit
+    // for bit; elsewhere, rows pinned to the 8-bit paths (different sequences' decode
+    // steps) go through the single-token kernel, a few weight rows at a time kept in
+    // cache while every token passes over them.
+    let wide = matches!(isa, Isa::Avx512Vnni | Isa::Amx);
+    // A few tokens share the single-token kernel's decoded blocks faster than the tiles
+    // unpack rows for them (`kernel_bench 1536 576 T 1`: the two meet between 4 and 8).
+    let few = wide && t < TILE_MIN_TOKENS;
+    let batch_of_tokens = (ROWS.with(|c| c.get()) == Rows::Int8 || few) && t > 1;
+    if crate::tile::applies(isa, w, t) && !few {
         crate::tile::matmul(pool, w, &acts, out);
         return Ok(());
     }

@@ -162,7 +162,31 @@ mod x86 {
         let spread_x = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         let zero = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); N]; ROWS];
+        let groups = k / 16;
+        let wb: [*const f32; ROWS] = std::array::from_fn(|r| panel[r].bias.as_ptr());
+        let xsum: [*const f32; N] = std::array::from_fn(|j| acts.row(tok + j).2.as_ptr());
         for s in 0..k / 64 {
+            if s % 4 == 0 {
+                // The bias terms of the next 256 weights, Σ_h bias_h·(d·Σ_{i∈h} x_i) over
+                // their 16 groups, before their products: the single-token kernel's
+                // order (`wide`), so a row's result is the same in a batch or alone.
+                let g = 4 * s;
+                let mask: __mmask16 = if groups - g >= 16 {
+                    0xFFFF
+                } else {
+                    (1 << (groups - g)) - 1
+                };
+                // SAFETY: the mask keeps every load inside the k/16 biases and sums.
+                let b: [__m512; ROWS] =
+                    std::array::from_fn(|r| unsafe { _mm512_maskz_loadu_ps(mask, wb[r].add(g)) });
+                for j in 0..N {
+                    // SAFETY: as above.
+                    let x = unsafe { _mm512_maskz_loadu_ps(mask, xsum[j].add(g)) };
+                    for r in 0..ROWS {
+                        acc[r][j] = _mm512_fmadd_ps(b[r], x, acc[r][j]);
+                    }
+                }
+            }
             let mut w = [zero; ROWS];
             let mut ws = [_mm512_setzero_ps(); ROWS];
             for r in 0..ROWS {
@@ -190,27 +214,6 @@ mod x86 {
                     let p = _mm512_dpbusd_epi32(zero, w[r], x);
                     acc[r][j] =
                         _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(ws[r], xs), acc[r][j]);
-                }
-            }
-        }
-        // The bias terms, Σ_h bias_h·(d·Σ_{i∈h} x_i), 16 groups per step.
-        let groups = k / 16;
-        let wb: [*const f32; ROWS] = std::array::from_fn(|r| panel[r].bias.as_ptr());
-        let xs: [*const f32; N] = std::array::from_fn(|j| acts.row(tok + j).2.as_ptr());
-        for g in (0..groups).step_by(16) {
-            let mask: __mmask16 = if groups - g >= 16 {
-                0xFFFF
-            } else {
-                (1 << (groups - g)) - 1
-            };
-            // SAFETY: the mask keeps every load inside the k/16 biases and sums.
-            let b: [__m512; ROWS] =
-                std::array::from_fn(|r| unsafe { _mm512_maskz_loadu_ps(mask, wb[r].add(g)) });
-            for j in 0..N {
-                // SAFETY: as above.
-                let x = unsafe { _mm512_maskz_loadu_ps(mask, xs[j].add(g)) };
-                for r in 0..ROWS {
-                    acc[r][j] = _mm512_fmadd_ps(b[r], x, acc[r][j]);
                 }
             }
         }

@@ -5,7 +5,8 @@
 //! K-quant super-block. The weight scales are not applied per block in scalar code (the
 //! AVX2 loop's cost) but once per eight blocks as a vector — `scale · d_x` for every
 //! 32 weights (`s`), spread over the lanes of each product by one `vpermps` — and the
-//! bias terms (`bias · Σx` per 16 weights) are one FMA per eight blocks against the
+//! bias terms (`bias · Σx` per 16 weights) are one FMA per eight blocks (into the same
+//! accumulator, before those blocks' products: `tile` does the same, in the same order) against the
 //! activation sums. Per 64 weights and row: a load, two or three integer ops to form the
 //! unsigned `q`, `vpdpbusd`, a convert, a permute and an FMA.
 //!
@@ -94,7 +95,6 @@ unsafe fn dot_n<const R: usize, const T: usize>(
     out: &mut [[f32; crate::fused::ROWS]; TOKENS],
 ) {
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let mut bias = [[_mm512_setzero_ps(); T]; R];
     let cols = acts.cols();
     let mut x = [std::ptr::null(); T];
     let mut xd = [std::ptr::null(); T];
@@ -119,14 +119,14 @@ unsafe fn dot_n<const R: usize, const T: usize>(
     // `cols` values; prefetches never fault.
     unsafe {
         match ty {
-            BlockType::Q4K => q4k::<R, T>(&input, cols / 256, &mut acc, &mut bias),
-            BlockType::Q6K => q6k::<R, T>(&input, cols / 256, &mut acc, &mut bias),
-            _ => blocks32::<R, T>(ty, &input, cols / 32, &mut acc, &mut bias),
+            BlockType::Q4K => q4k::<R, T>(&input, cols / 256, &mut acc),
+            BlockType::Q6K => q6k::<R, T>(&input, cols / 256, &mut acc),
+            _ => blocks32::<R, T>(ty, &input, cols / 32, &mut acc),
         }
     }
     for r in 0..R {
         for t in 0..T {
-            out[t][r] = _mm512_reduce_add_ps(acc[r][t]) + _mm512_reduce_add_ps(bias[r][t]);
+            out[t][r] = _mm512_reduce_add_ps(acc[r][t]);
         }
     }
 }
@@ -186,7 +186,6 @@ unsafe fn blocks32<const R: usize, const T: usize>(
     input: &Input<R, T>,
     blocks: usize,
     acc: &mut [[__m512; T]; R],
-    bias: &mut [[__m512; T]; R],
 ) {
     let Input {
         rows,
@@ -210,10 +209,6 @@ unsafe fn blocks32<const R: usize, const T: usize>(
         BlockType::Q8_0 => -128.0,
         _ => 0.0,
     };
-    let offsets = _mm256_mullo_epi32(
-        _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-        _mm256_set1_epi32(bb as i32),
-    );
     let mut g = 0;
     while g < blocks {
         let n = (blocks - g).min(8);
@@ -238,11 +233,23 @@ unsafe fn blocks32<const R: usize, const T: usize>(
                     at += 64;
                 }
                 // The first four bytes of each block: its f16 scale (and Q4_1's f16 bias).
-                let heads = _mm256_mmask_i32gather_epi32::<1>(
-                    _mm256_setzero_si256(),
-                    mask8,
-                    offsets,
-                    row as *const i32,
+                // Eight scalar loads, not a gather: AMD's gathers cost several times more.
+                let head = |b: usize| {
+                    if b < n {
+                        (row.add(b * bb) as *const i32).read_unaligned()
+                    } else {
+                        0
+                    }
+                };
+                let heads = _mm256_set_epi32(
+                    head(7),
+                    head(6),
+                    head(5),
+                    head(4),
+                    head(3),
+                    head(2),
+                    head(1),
+                    head(0),
                 );
                 let d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(heads));
                 let coeff = if ty == BlockType::Q4_1 {
@@ -252,7 +259,7 @@ unsafe fn blocks32<const R: usize, const T: usize>(
                 };
                 let coeff = _mm512_permutexvar_ps(spread, _mm512_zextps256_ps512(coeff));
                 for t in 0..T {
-                    bias[r][t] = _mm512_fmadd_ps(coeff, sums[t], bias[r][t]);
+                    acc[r][t] = _mm512_fmadd_ps(coeff, sums[t], acc[r][t]);
                     s[r][t] = _mm512_zextps256_ps512(_mm256_mul_ps(d, dx[t]));
                 }
             }
@@ -326,7 +333,6 @@ unsafe fn q4k<const R: usize, const T: usize>(
     input: &Input<R, T>,
     blocks: usize,
     acc: &mut [[__m512; T]; R],
-    bias: &mut [[__m512; T]; R],
 ) {
     let Input {
         rows,
@@ -366,7 +372,7 @@ unsafe fn q4k<const R: usize, const T: usize>(
                 let mins = _mm512_mul_ps(mins, dmin);
                 for t in 0..T {
                     s[r][t] = _mm512_zextps256_ps512(_mm256_mul_ps(scales, dx[t]));
-                    bias[r][t] = _mm512_fnmadd_ps(mins, sums[t], bias[r][t]);
+                    acc[r][t] = _mm512_fnmadd_ps(mins, sums[t], acc[r][t]);
                 }
             }
             for (p, pair) in pair_index.iter().enumerate() {
@@ -400,7 +406,6 @@ unsafe fn q6k<const R: usize, const T: usize>(
     input: &Input<R, T>,
     blocks: usize,
     acc: &mut [[__m512; T]; R],
-    bias: &mut [[__m512; T]; R],
 ) {
     let Input {
         rows,
@@ -466,7 +471,7 @@ unsafe fn q6k<const R: usize, const T: usize>(
                 );
                 let coeff = _mm512_mul_ps(scales, _mm512_set1_ps(-32.0));
                 for t in 0..T {
-                    bias[r][t] = _mm512_fmadd_ps(coeff, sums[t], bias[r][t]);
+                    acc[r][t] = _mm512_fmadd_ps(coeff, sums[t], acc[r][t]);
                     s[r][t] = _mm512_mul_ps(scales, dx[t]);
                 }
             }
