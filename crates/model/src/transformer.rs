@@ -10,8 +10,8 @@ use shoal_kernels::{QuantMatrix, Rows};
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
 mod batch;
-mod decode_attention;
 mod ring;
+mod row_attention;
 
 pub use batch::BatchPart;
 pub use ring::zigzag_pieces;
@@ -687,9 +687,11 @@ impl Model {
         let t = q.dim(1)?;
         let hd = c.head_dim;
         let (nh, nkv) = self.local_heads();
-        if t == 1 && self.compute.device.is_cpu() && q.dtype() == DType::F32 {
+        if self.compute.device.is_cpu() && q.dtype() == DType::F32 {
+            // Causal by position (the rows are the last `t` of the cache): the mask is
+            // not needed, and each row's arithmetic does not depend on the slicing.
             let scale = 1.0 / (hd as f32).sqrt();
-            return Ok(decode_attention::decode_attention(q, k_all, v_all, scale)?);
+            return Ok(row_attention::row_attention(q, k_all, v_all, scale)?);
         }
         // Grouped-query attention without copying K/V: the query heads of one KV group
         // are adjacent, so (nh, t, hd) is (nkv, group * t, hd).
@@ -757,7 +759,8 @@ fn reduce(y: Tensor, links: &mut Option<&mut dyn ShardLinks>) -> Result<Tensor> 
 /// the grouped attention sees them (row `r` is query position `pos + r % t`); `None` when
 /// a single query sees everything.
 fn causal_mask(t: usize, pos: usize, group: usize, compute: &Compute) -> Result<Option<Tensor>> {
-    if t <= 1 {
+    // The CPU's row attention is causal by position and needs no mask.
+    if t <= 1 || (compute.device.is_cpu() && compute.dtype == DType::F32) {
         return Ok(None);
     }
     let s = pos + t;

@@ -66,9 +66,13 @@ impl Model {
         // Prompt rows (parts of two rows or more) take the kernels' bf16 tiles, decode
         // rows the 8-bit paths, however many of each are together: every row is
         // computed as it would be alone (see `Model::forward_layers_with`). A batch with
-        // both runs as two groups, the same way on every rank.
+        // both runs as two groups, the same way on every rank, on a machine with bf16
+        // tiles; elsewhere the 8-bit batch products equal the single-token ones and one
+        // pass serves all.
         let long = |p: &BatchPart<'_>| p.rows >= 2;
-        let mixed = parts.iter().any(long) && !parts.iter().all(long);
+        let mixed = shoal_kernels::Isa::detect() == shoal_kernels::Isa::Amx
+            && parts.iter().any(long)
+            && !parts.iter().all(long);
         let x = if mixed {
             self.forward_groups(hidden, parts, &starts, &masks, &mut links)?
         } else {

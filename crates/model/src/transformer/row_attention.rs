@@ -1,21 +1,46 @@
-//! Attention of one new token against the cache, on the CPU in f32, as one custom op.
+//! Causal attention of new rows against the cache, on the CPU in f32, as one custom op:
+//! decode steps (one row) and prompt slices (many) alike.
 //!
-//! candle's path for this is eight ops (a batched gemm with its packing, a scale, a
-//! softmax, a second gemm, a copy of V to contiguous memory, reshapes and a transpose),
-//! each allocating; for a decode step of a small model that bookkeeping cost as much as
-//! the arithmetic. Here the keys and values are read where the cache keeps them (a view
-//! of its capacity), and the output comes out already as `(1, heads · head_dim)`.
+//! Each query row is computed by the same operations in the same order whatever else is
+//! computed beside it: its scores against every key up to its own position (one dot
+//! product each), their exponentials and sum, then the values weighted in position
+//! order. A prompt row's result therefore does not depend on how its prompt was sliced
+//! into steps, nor a decode row's on the batch: with the kernels' batch products equal to
+//! their single-token ones, a sequence served among others gets what it gets alone.
+//!
+//! candle's path for this is a batched gemm with its packing, a scale, a mask, a softmax, a
+//! second gemm, a copy of V to contiguous memory, reshapes and a transpose, each
+//! allocating, and its sums run in an order that depends on the shapes. Here keys and
+//! values are read where the cache keeps them (a view of its capacity), the query rows of
+//! one KV head are taken in blocks so each key and value read from memory serves them all,
+//! and the output comes out already as `(rows, heads · head_dim)`.
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
-/// `softmax(q·Kᵀ·scale)·V` for `q` `(heads, 1, head_dim)` and `k`, `v`
-/// `(kv_heads, n, head_dim)`, query heads grouped by KV head (`heads = kv_heads · group`).
-pub(crate) fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
-    q.apply_op3_no_bwd(k, v, &DecodeAttention { scale })
+/// `softmax(q·Kᵀ·scale + causal)·V` for `q` `(heads, t, head_dim)` and `k`, `v`
+/// `(kv_heads, n, head_dim)`: query row `i` is at position `n − t + i` and sees keys
+/// `0..=n − t + i`. Query heads are grouped by KV head (`heads = kv_heads · group`).
+pub(crate) fn row_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    q.apply_op3_no_bwd(k, v, &RowAttention { scale })
 }
 
-struct DecodeAttention {
+/// Work (query rows × keys, over all heads) from which the blocks are shared among the
+/// kernel threads.
+const PARALLEL_FROM: usize = 8192;
+/// Query positions per block: with the group's heads, the queries one key serves.
+const BLOCK_ROWS: usize = 8;
+
+struct RowAttention {
     scale: f32,
+}
+
+/// One thread's buffers for a block of queries.
+#[derive(Default)]
+struct Scratch {
+    /// (head, row, keys it sees).
+    queries: Vec<(usize, usize, usize)>,
+    scores: Vec<f32>,
+    outs: Vec<f32>,
 }
 
 /// A `(a, b, c)` f32 tensor whose last dimension is contiguous: base offset and the
@@ -33,7 +58,7 @@ impl<'a> View<'a> {
         let (dims, stride) = (layout.dims(), layout.stride());
         if dims.len() != 3 || stride[2] != 1 {
             candle_core::bail!(
-                "decode attention: {what} must be (_, _, head_dim) with unit stride, got {dims:?} / {stride:?}"
+                "row attention: {what} must be (_, _, head_dim) with unit stride, got {dims:?} / {stride:?}"
             );
         }
         let view = Self {
@@ -44,7 +69,7 @@ impl<'a> View<'a> {
         };
         let last = view.at(dims[0].saturating_sub(1), dims[1].saturating_sub(1)) + dims[2];
         if dims.iter().product::<usize>() > 0 && last > data.len() {
-            candle_core::bail!("decode attention: {what} reaches past its storage");
+            candle_core::bail!("row attention: {what} reaches past its storage");
         }
         Ok(view)
     }
@@ -59,7 +84,76 @@ impl<'a> View<'a> {
     }
 }
 
-/// Eight partial sums, so the compiler keeps the products in vector registers.
+/// `q · keys[c]` for eight keys at once (`q.len()` a multiple of 8): per key, eight
+/// lanes of fused multiply-adds over the chunks of 8, then the lanes summed as the tree
+/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`. A key's score is the same
+/// whichever keys share the call (callers repeat a key to fill the eight).
+fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    {
+        // SAFETY: the build targets AVX2 and FMA; every key holds `q.len()` values.
+        unsafe { dot8_avx2(q, keys) }
+    }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    {
+        let mut out = [0f32; 8];
+        for (o, key) in out.iter_mut().zip(keys) {
+            let mut l = [0f32; 8];
+            for (x, y) in q.chunks_exact(8).zip(key.chunks_exact(8)) {
+                for i in 0..8 {
+                    l[i] = x[i].mul_add(y[i], l[i]);
+                }
+            }
+            *o = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+        }
+        out
+    }
+}
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+unsafe fn dot8_avx2(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    assert!(q.len().is_multiple_of(8) && keys.iter().all(|k| k.len() == q.len()));
+    // SAFETY: the lengths are checked; the features are the build's.
+    unsafe {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for c in (0..q.len()).step_by(8) {
+            let x = _mm256_loadu_ps(q.as_ptr().add(c));
+            for (a, key) in acc.iter_mut().zip(keys) {
+                *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.as_ptr().add(c)), *a);
+            }
+        }
+        // hadd pairs lanes (l0 + l1, l2 + l3 | l4 + l5, l6 + l7) per 128-bit half; twice
+        // gives each key's two half sums, then the halves are added.
+        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
+        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
+        let h45 = _mm256_hadd_ps(acc[4], acc[5]);
+        let h67 = _mm256_hadd_ps(acc[6], acc[7]);
+        let q0123 = _mm256_hadd_ps(h01, h23);
+        let q4567 = _mm256_hadd_ps(h45, h67);
+        // q0123: [k0 lo, k1 lo, k2 lo, k3 lo | k0 hi, k1 hi, k2 hi, k3 hi].
+        let lo = _mm256_permute2f128_ps::<0x20>(q0123, q4567);
+        let hi = _mm256_permute2f128_ps::<0x31>(q0123, q4567);
+        let mut out = [0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
+        out
+    }
+}
+
+/// `q · key` by the same arithmetic as [`dot8`] (for a head size that is not a multiple of
+/// eight, every score takes this).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -71,15 +165,50 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         .sum();
     for (x, y) in ac.zip(bc) {
         for l in 0..8 {
-            acc[l] += x[l] * y[l];
+            acc[l] = x[l].mul_add(y[l], acc[l]);
         }
     }
-    acc.iter().sum::<f32>() + tail
+    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
-impl CustomOp3 for DecodeAttention {
+/// `x ← e^(x − max)` for every `x`, and their sum: Cephes' single-precision exponential
+/// (relative error about 1e-7) in plain arithmetic the compiler vectorizes, eight lanes
+/// at a time; libm's `expf` one value at a time was most of a step's attention over a
+/// long cache.
+fn exp_minus(xs: &mut [f32], max: f32) -> f32 {
+    fn exp(x: f32) -> f32 {
+        let x = x.clamp(-87.3, 88.7);
+        // x = n·ln 2 + r, |r| ≤ ln 2 / 2; n rounded to nearest by the 1.5·2²³ trick.
+        let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+        let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
+        let p = 1.987_569_1e-4;
+        let p = p * r + 1.398_199_9e-3;
+        let p = p * r + 8.333_452e-3;
+        let p = p * r + 4.166_579_6e-2;
+        let p = p * r + 0.166_666_65;
+        let p = p * r + 0.5;
+        let e = p * r * r + r + 1.0;
+        e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    }
+    let mut acc = [0f32; 8];
+    let mut chunks = xs.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for (l, x) in c.iter_mut().enumerate() {
+            *x = exp(*x - max);
+            acc[l] += *x;
+        }
+    }
+    let mut sum = 0f32;
+    for x in chunks.into_remainder() {
+        *x = exp(*x - max);
+        sum += *x;
+    }
+    acc.iter().sum::<f32>() + sum
+}
+
+impl CustomOp3 for RowAttention {
     fn name(&self) -> &'static str {
-        "decode-attention"
+        "row-attention"
     }
 
     fn cpu_fwd(
@@ -96,41 +225,132 @@ impl CustomOp3 for DecodeAttention {
             View::new(ks, kl, "k")?,
             View::new(vs, vl, "v")?,
         );
-        let [heads, one, hd] = q.dims;
+        let [heads, t, hd] = q.dims;
         let [kv_heads, n, khd] = k.dims;
-        if one != 1 || khd != hd || v.dims != k.dims || kv_heads == 0 || heads % kv_heads != 0 {
+        if t == 0
+            || t > n
+            || khd != hd
+            || v.dims != k.dims
+            || kv_heads == 0
+            || heads % kv_heads != 0
+        {
             candle_core::bail!(
-                "decode attention: q {:?}, k {:?}, v {:?} do not fit",
+                "row attention: q {:?}, k {:?}, v {:?} do not fit",
                 q.dims,
                 k.dims,
                 v.dims
             );
         }
         let group = heads / kv_heads;
-        let mut out = vec![0f32; heads * hd];
-        let mut scores = vec![0f32; n];
-        for h in 0..heads {
-            let kvh = h / group;
-            let qh = q.row(h, 0);
-            let mut max = f32::NEG_INFINITY;
-            for (i, s) in scores.iter_mut().enumerate() {
-                *s = dot(qh, k.row(kvh, i)) * self.scale;
-                max = max.max(*s);
-            }
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            let o = &mut out[h * hd..(h + 1) * hd];
-            for (i, s) in scores.iter().enumerate() {
-                let p = s / sum;
-                for (acc, x) in o.iter_mut().zip(v.row(kvh, i)) {
-                    *acc += p * x;
+        let blocks_per_head = t.div_ceil(BLOCK_ROWS);
+        let pool = shoal_kernels::ThreadPool::global();
+        let parallel = t * n * heads >= PARALLEL_FROM && pool.size() > 1;
+        // A unit is a block of rows and some of a KV head's query heads: all of them (each
+        // key read serves them all), or one each when there are too few blocks to keep
+        // the threads evenly busy (a decode step).
+        let heads_per_unit = if !parallel || kv_heads * blocks_per_head >= 4 * pool.size() {
+            group
+        } else {
+            1
+        };
+        let slices = group / heads_per_unit;
+        let units = kv_heads * blocks_per_head * slices;
+        let mut out = vec![0f32; t * heads * hd];
+        let threads = if parallel { pool.size().min(units) } else { 1 };
+        let per = units.div_ceil(threads);
+        let out_addr = out.as_mut_ptr() as usize;
+        let block = |unit: usize, scratch: &mut Scratch| {
+            let (kvh, rest) = (
+                unit / (blocks_per_head * slices),
+                unit % (blocks_per_head * slices),
+            );
+            let (i0, slice) = ((rest / slices) * BLOCK_ROWS, rest % slices);
+            let rows = (t - i0).min(BLOCK_ROWS);
+            // Queries of the block: (head, row), each seeing `n − t + row + 1` keys.
+            scratch.queries.clear();
+            let first = kvh * group + slice * heads_per_unit;
+            for h in first..first + heads_per_unit {
+                for i in i0..i0 + rows {
+                    scratch.queries.push((h, i, n - t + i + 1));
                 }
             }
+            let queries = &scratch.queries;
+            let qrows: Vec<&[f32]> = queries.iter().map(|&(h, i, _)| q.row(h, i)).collect();
+            let longest = n - t + i0 + rows;
+            let scores = &mut scratch.scores;
+            scores.clear();
+            scores.resize(queries.len() * longest, 0.0);
+            if hd.is_multiple_of(8) {
+                for j0 in (0..longest).step_by(8) {
+                    let keys: [&[f32]; 8] =
+                        std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
+                    for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
+                        if j0 >= seen {
+                            continue;
+                        }
+                        let got = dot8(qr, keys);
+                        let end = seen.min(j0 + 8);
+                        for (s, g) in scores[a * longest + j0..a * longest + end]
+                            .iter_mut()
+                            .zip(got)
+                        {
+                            *s = g * self.scale;
+                        }
+                    }
+                }
+            } else {
+                for j in 0..longest {
+                    let key = k.row(kvh, j);
+                    for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
+                        if j < seen {
+                            scores[a * longest + j] = dot(qr, key) * self.scale;
+                        }
+                    }
+                }
+            }
+            let outs = &mut scratch.outs;
+            outs.clear();
+            outs.resize(queries.len() * hd, 0.0);
+            for (a, &(_, _, seen)) in queries.iter().enumerate() {
+                let row = &mut scores[a * longest..a * longest + seen];
+                let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                let inv = 1.0 / exp_minus(row, max);
+                let o = &mut outs[a * hd..(a + 1) * hd];
+                for (j, &s) in row.iter().enumerate() {
+                    let p = s * inv;
+                    for (acc, x) in o.iter_mut().zip(v.row(kvh, j)) {
+                        *acc = p.mul_add(*x, *acc);
+                    }
+                }
+            }
+            for (a, &(h, i, _)) in queries.iter().enumerate() {
+                // SAFETY: row `i`, head `h` of the output belongs to this block alone;
+                // `out` outlives the pool's run.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        outs[a * hd..].as_ptr(),
+                        (out_addr as *mut f32).add((i * heads + h) * hd),
+                        hd,
+                    )
+                };
+            }
+        };
+        let run = |thread: usize| {
+            let mut scratch = Scratch::default();
+            for unit in (thread * per).min(units)..((thread + 1) * per).min(units) {
+                block(unit, &mut scratch);
+            }
+        };
+        if threads > 1 {
+            pool.run(&|i| {
+                if i < threads {
+                    run(i)
+                }
+            });
+        } else {
+            run(0);
         }
-        Ok((CpuStorage::F32(out), Shape::from((1, heads * hd))))
+        Ok((CpuStorage::F32(out), Shape::from((t, heads * hd))))
     }
 }
 
@@ -138,26 +358,107 @@ impl CustomOp3 for DecodeAttention {
 mod tests {
     use candle_core::{Device, Tensor};
 
-    use super::decode_attention;
+    use super::row_attention;
+
+    /// candle's masked softmax attention, the reference.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+        let (heads, t, hd) = q.dims3()?;
+        let (kv_heads, n, _) = k.dims3()?;
+        let group = heads / kv_heads;
+        let qg = q.reshape((kv_heads, group * t, hd))?;
+        let scores = (qg.matmul(&k.t()?)? * scale)?;
+        let mut mask = vec![0f32; group * t * n];
+        for r in 0..group * t {
+            for j in (n - t + r % t + 1)..n {
+                mask[r * n + j] = f32::NEG_INFINITY;
+            }
+        }
+        let mask = Tensor::from_vec(mask, (group * t, n), q.device())?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        probs
+            .matmul(&v.contiguous()?)?
+            .reshape((heads, t, hd))?
+            .transpose(0, 1)?
+            .reshape((t, heads * hd))
+    }
 
     #[test]
-    fn equals_the_generic_path_on_a_strided_cache_view() -> candle_core::Result<()> {
+    fn equals_masked_softmax_attention_on_a_strided_cache_view() -> candle_core::Result<()> {
         let dev = Device::Cpu;
-        let (heads, kv_heads, n, hd, capacity) = (6, 2, 5, 16, 8);
-        let q = Tensor::randn(0f32, 1.0, (heads, 1, hd), &dev)?;
-        // The cache keeps a capacity; attention sees the first n positions (a view).
-        let k = Tensor::randn(0f32, 1.0, (kv_heads, capacity, hd), &dev)?.narrow(1, 0, n)?;
-        let v = Tensor::randn(0f32, 1.0, (kv_heads, capacity, hd), &dev)?.narrow(1, 0, n)?;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let got = decode_attention(&q, &k, &v, scale as f32)?;
-        let group = heads / kv_heads;
-        let qg = q.reshape((kv_heads, group, hd))?;
-        let scores = (qg.matmul(&k.t()?)? * scale)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let want = probs.matmul(&v.contiguous()?)?.reshape((1, heads * hd))?;
-        let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(diff < 1e-5, "largest difference {diff}");
+        // A decode row on a short cache, a prompt slice (blocks and a remainder), and a
+        // long cache (blocks shared among threads).
+        for (t, n, capacity) in [(1, 5, 8), (11, 30, 32), (1, 2000, 2048), (20, 2000, 2048)] {
+            let (heads, kv_heads, hd) = (6, 2, 16);
+            let q = Tensor::randn(0f32, 1.0, (heads, t, hd), &dev)?;
+            // The cache keeps a capacity; attention sees the first n positions (a view).
+            let k = Tensor::randn(0f32, 1.0, (kv_heads, capacity, hd), &dev)?.narrow(1, 0, n)?;
+            let v = Tensor::randn(0f32, 1.0, (kv_heads, capacity, hd), &dev)?.narrow(1, 0, n)?;
+            let scale = 1.0 / (hd as f64).sqrt();
+            let got = row_attention(&q, &k, &v, scale as f32)?;
+            let want = reference(&q, &k, &v, scale)?;
+            let diff = (got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                diff < 1e-5,
+                "{t} rows, {n} positions: largest difference {diff}"
+            );
+        }
         Ok(())
+    }
+
+    #[test]
+    fn a_row_is_the_same_however_the_rows_are_sliced() -> candle_core::Result<()> {
+        // Ten rows at once equal the same rows one step at a time, bit for bit: a
+        // scheduler's slicing of a prompt does not change its arithmetic.
+        let dev = Device::Cpu;
+        let (heads, kv_heads, hd, n) = (6, 2, 16, 40);
+        let q = Tensor::randn(0f32, 1.0, (heads, 10, hd), &dev)?;
+        let k = Tensor::randn(0f32, 1.0, (kv_heads, n, hd), &dev)?;
+        let v = Tensor::randn(0f32, 1.0, (kv_heads, n, hd), &dev)?;
+        let all = row_attention(&q, &k, &v, 0.25)?.to_vec2::<f32>()?;
+        for (i, row) in all.iter().enumerate() {
+            let seen = n - 10 + i + 1;
+            let one = row_attention(
+                &q.narrow(1, i, 1)?.contiguous()?,
+                &k.narrow(1, 0, seen)?,
+                &v.narrow(1, 0, seen)?,
+                0.25,
+            )?
+            .to_vec2::<f32>()?;
+            let same = row
+                .iter()
+                .zip(&one[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "row {i}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_vectorized_exponential_is_within_a_few_ulps_of_libm() {
+        let mut xs: Vec<f32> = (0..2000).map(|i| -80.0 + i as f32 * 0.04).collect();
+        let want: Vec<f32> = xs.iter().map(|x| (x - 0.5).exp()).collect();
+        let sum = super::exp_minus(&mut xs, 0.5);
+        for (x, w) in xs.iter().zip(&want) {
+            assert!((x - w).abs() <= 4e-7 * w, "{x} vs {w}");
+        }
+        let total: f32 = want.iter().sum();
+        assert!((sum - total).abs() <= 1e-5 * total);
+    }
+
+    #[test]
+    fn eight_keys_at_once_score_as_one_at_a_time() {
+        let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let keys: Vec<Vec<f32>> = (0..8)
+            .map(|k| {
+                (0..64)
+                    .map(|i| ((i * 7 + k * 13) as f32 * 0.11).cos())
+                    .collect()
+            })
+            .collect();
+        let got = super::dot8(&q, std::array::from_fn(|c| keys[c].as_slice()));
+        for (g, key) in got.iter().zip(&keys) {
+            assert_eq!(g.to_bits(), super::dot(&q, key).to_bits());
+        }
     }
 
     #[test]
@@ -166,8 +467,13 @@ mod tests {
         let q = Tensor::zeros((5, 1, 8), candle_core::DType::F32, &dev)?;
         let k = Tensor::zeros((2, 3, 8), candle_core::DType::F32, &dev)?;
         assert!(
-            decode_attention(&q, &k, &k, 1.0).is_err(),
+            row_attention(&q, &k, &k, 1.0).is_err(),
             "5 heads over 2 KV heads"
+        );
+        let q = Tensor::zeros((2, 4, 8), candle_core::DType::F32, &dev)?;
+        assert!(
+            row_attention(&q, &k, &k, 1.0).is_err(),
+            "4 rows over 3 positions"
         );
         Ok(())
     }
