@@ -171,6 +171,11 @@ struct RankArgs {
     /// Rank 0: sequences served at once (continuous batching).
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
+    /// Rank 0: while a prompt is read beside streaming answers, each step is kept within this
+    /// many times a decode-only step (the streams' gap between tokens); 0: 256-token
+    /// prompt slices whatever they cost.
+    #[arg(long, default_value_t = 2.0)]
+    gap_bound: f64,
 }
 
 #[derive(Args, Debug)]
@@ -203,6 +208,11 @@ struct NodeArgs {
     /// Requests an instance serves at once (continuous batching); more wait in a queue.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
+    /// While a prompt is read beside streaming answers, each step is kept within this
+    /// many times a decode-only step (the streams' gap between tokens); 0: 256-token
+    /// prompt slices whatever they cost.
+    #[arg(long, default_value_t = 2.0)]
+    gap_bound: f64,
 }
 
 #[derive(Args, Debug)]
@@ -512,7 +522,10 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Link>) -> Result<()> {
     };
     let model = SplitModel::new(rank);
     let inbox = control.inbox().context("the control inbox was taken")?;
-    let config = ServeConfig::new(engine.context_length(), args.max_batch);
+    let config = ServeConfig {
+        gap_bound: args.gap_bound.max(0.0),
+        ..ServeConfig::new(engine.context_length(), args.max_batch)
+    };
     let send = |m: FromRunner| control.send(&m);
     let served = serve(&engine, &model, &inbox, &send, config);
     let _ = model.shutdown();
@@ -570,6 +583,7 @@ fn node(args: NodeArgs) -> Result<()> {
         exe: std::env::current_exe().context("cannot find the shoal executable")?,
         runner_threads: args.runner_threads,
         max_batch: args.max_batch.max(1),
+        gap_bound: args.gap_bound.max(0.0),
     })
 }
 

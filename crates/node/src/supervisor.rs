@@ -47,6 +47,8 @@ pub struct RunnerSpec {
     pub exe: PathBuf,
     pub threads: Option<usize>,
     pub max_batch: usize,
+    /// Rank 0's bound on a step beside streams, in decode steps (`shoal rank --gap-bound`).
+    pub gap_bound: f64,
     pub socket_dir: PathBuf,
     pub stall_timeout: Duration,
     /// `cpu` or `cuda:N`.
@@ -160,6 +162,7 @@ pub fn start(
         cmd.arg("--threads").arg(t.to_string());
     }
     cmd.arg("--max-batch").arg(spec.max_batch.to_string());
+    cmd.arg("--gap-bound").arg(spec.gap_bound.to_string());
     let rank_listener = spec.listener.take();
     if let Some(l) = &rank_listener {
         use std::os::fd::AsRawFd;

@@ -7,6 +7,12 @@
 //! waits behind them). A sequence is admitted only when the batch has room and its whole
 //! KV (prompt and answer) fits in what is free; beyond, requests wait in a bounded queue,
 //! and past the queue they are refused as busy.
+//!
+//! Beside streams, a prompt slice is sized by what steps cost, not by tokens alone: on a
+//! CPU one prompt token costs about as much as a whole decode step of a small model, so
+//! a 256-token slice would stall every stream for a quarter of a second. [`StepCosts`]
+//! learns the costs as the instance runs and [`prompt_budget`] keeps a step with streams
+//! within a bound times a decode-only step (Sarathi-Serve's rule, in time).
 
 /// How much one step and one instance may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,14 +113,18 @@ pub fn fits_at_all(w: &Waiting, limits: &Limits) -> bool {
 }
 
 /// The next step: every decoding sequence's token, then prompt slices oldest first
-/// within what is left of the token budget. Empty when nothing runs.
-pub fn next_step(running: &[Running], limits: &Limits) -> Vec<Work> {
+/// within what is left of the token budget and at most `prompt_tokens` of them (see
+/// [`prompt_budget`]). Empty when nothing runs.
+pub fn next_step(running: &[Running], limits: &Limits, prompt_tokens: usize) -> Vec<Work> {
     let mut work: Vec<Work> = running
         .iter()
         .filter(|r| r.decoding())
         .map(|r| Work::Decode { id: r.id })
         .collect();
-    let mut left = limits.step_tokens.saturating_sub(work.len());
+    let mut left = limits
+        .step_tokens
+        .saturating_sub(work.len())
+        .min(prompt_tokens.max(1));
     for r in running.iter().filter(|r| !r.decoding()) {
         if left == 0 {
             break;
@@ -129,6 +139,68 @@ pub fn next_step(running: &[Running], limits: &Limits) -> Vec<Work> {
         });
     }
     work
+}
+
+/// What steps cost on this instance, learned from the steps it runs (exponential
+/// averages, so a change is followed within a few dozen steps). A step with streams and
+/// `n` prompt tokens is modelled as `decode` (what a step of the streams alone costs)
+/// plus `n` times the cost of a prompt token beside them: learned from such steps
+/// themselves (it grows as the prompt's attention reaches further back, and it carries the
+/// prompt rows' own pass through the layers), and until there are any, from steps that
+/// read a prompt alone.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepCosts {
+    /// Milliseconds of a step without prompt tokens.
+    pub decode: Option<f64>,
+    /// Milliseconds per prompt token in steps that read only a prompt (32+ tokens).
+    pub per_prompt_token: Option<f64>,
+    /// Milliseconds per prompt token beyond `decode`, in steps with streams.
+    pub per_token_beside: Option<f64>,
+}
+
+/// Weight of the newest observation in the averages.
+const LEARN: f64 = 0.2;
+/// Steps reading at least this many prompt tokens alone measure their per-token cost.
+const MEASURED_SLICE: usize = 32;
+
+fn learn(old: Option<f64>, new: f64) -> f64 {
+    old.map_or(new, |o| o + LEARN * (new - o))
+}
+
+impl StepCosts {
+    /// A step of `decoding` stream tokens and `prompt` prompt tokens took `ms`.
+    pub fn observe(&mut self, decoding: usize, prompt: usize, ms: f64) {
+        match (decoding, prompt) {
+            (_, 0) => self.decode = Some(learn(self.decode, ms)),
+            (0, n) if n >= MEASURED_SLICE => {
+                self.per_prompt_token = Some(learn(self.per_prompt_token, ms / n as f64));
+            }
+            (0, _) => {}
+            (_, n) => {
+                if let Some(d) = self.decode {
+                    let beside = (ms - d).max(0.0) / n as f64;
+                    self.per_token_beside = Some(learn(self.per_token_beside, beside));
+                }
+            }
+        }
+    }
+}
+
+/// The most prompt tokens the next step may take beside `decoding` streams so that it
+/// lasts at most `bound` times a decode-only step, aiming at 80% of that for noise; at
+/// least one token, so a prompt always progresses. Without streams, or without a bound
+/// (`bound` 0), or before the costs are known, the whole token budget.
+pub fn prompt_budget(costs: &StepCosts, decoding: usize, bound: f64, limits: &Limits) -> usize {
+    let all = limits.step_tokens.saturating_sub(decoding);
+    let per_token = costs.per_token_beside.or(costs.per_prompt_token);
+    let (Some(decode), Some(per_token)) = (costs.decode, per_token) else {
+        return all;
+    };
+    if decoding == 0 || bound <= 0.0 || per_token <= 0.0 {
+        return all;
+    }
+    let room = (0.8 * bound - 1.0) * decode;
+    ((room / per_token).floor().max(1.0) as usize).min(all)
 }
 
 #[cfg(test)]
@@ -169,7 +241,7 @@ mod tests {
             running(3, 5, 5),
             running(4, 8, 0),
         ];
-        let step = next_step(&r, &limits());
+        let step = next_step(&r, &limits(), usize::MAX);
         assert_eq!(
             step,
             vec![
@@ -199,7 +271,7 @@ mod tests {
         let mut r = vec![running(1, 40, 0)];
         let mut slices = Vec::new();
         while !r[0].decoding() {
-            let step = next_step(&r, &limits());
+            let step = next_step(&r, &limits(), usize::MAX);
             let [
                 Work::Prefill {
                     start, len, last, ..
@@ -213,7 +285,10 @@ mod tests {
             slices.push((len, last));
         }
         assert_eq!(slices, vec![(16, false), (16, false), (8, true)]);
-        assert_eq!(next_step(&r, &limits()), vec![Work::Decode { id: 1 }]);
+        assert_eq!(
+            next_step(&r, &limits(), usize::MAX),
+            vec![Work::Decode { id: 1 }]
+        );
     }
 
     #[test]
@@ -226,7 +301,7 @@ mod tests {
             running(9, 4000, 0),
         ];
         for _ in 0..300 {
-            let step = next_step(&r, &limits());
+            let step = next_step(&r, &limits(), usize::MAX);
             let decodes = step
                 .iter()
                 .filter(|w| matches!(w, Work::Decode { .. }))
@@ -282,7 +357,7 @@ mod tests {
         assert!(admit(&w, &r, &l).is_empty());
         r.retain(|s| s.id != 1); // cancelled
         assert_eq!(admit(&w, &r, &l), vec![2]);
-        assert!(next_step(&r, &l).is_empty());
+        assert!(next_step(&r, &l, usize::MAX).is_empty());
     }
 
     #[test]
@@ -300,7 +375,7 @@ mod tests {
         // (the batch limit keeps their number within the budget).
         let r: Vec<Running> = (0..4).map(|i| running(i, 2, 2)).collect();
         for _ in 0..10 {
-            let ids: Vec<u64> = next_step(&r, &limits())
+            let ids: Vec<u64> = next_step(&r, &limits(), usize::MAX)
                 .iter()
                 .map(|w| match w {
                     Work::Decode { id } => *id,
@@ -309,5 +384,51 @@ mod tests {
                 .collect();
             assert_eq!(ids, vec![0, 1, 2, 3]);
         }
+    }
+
+    #[test]
+    fn beside_streams_a_prompt_slice_is_sized_by_time() {
+        let l = Limits {
+            step_tokens: 256,
+            ..limits()
+        };
+        let mut costs = StepCosts::default();
+        assert_eq!(prompt_budget(&costs, 1, 2.0, &l), 255, "nothing known yet");
+        // Decode-only steps of 10 ms; a lone 256-token slice of 256 ms: 1 ms a token.
+        for _ in 0..20 {
+            costs.observe(1, 0, 10.0);
+            costs.observe(0, 256, 256.0);
+        }
+        assert!((costs.decode.unwrap() - 10.0).abs() < 1e-9);
+        assert!((costs.per_prompt_token.unwrap() - 1.0).abs() < 1e-9);
+        // A bound of 2: (0.8 · 2 − 1) · 10 ms = 6 ms of room, six tokens.
+        assert_eq!(prompt_budget(&costs, 1, 2.0, &l), 6);
+        // Beside the streams a prompt token costs 2 ms (its own pass through the layers,
+        // attention further back): three tokens.
+        for _ in 0..40 {
+            costs.observe(1, 6, 10.0 + 12.0);
+        }
+        assert!(
+            (costs.per_token_beside.unwrap() - 2.0).abs() < 0.01,
+            "{costs:?}"
+        );
+        assert_eq!(prompt_budget(&costs, 1, 2.0, &l), 3);
+        // However tight, a prompt still progresses; without streams or a bound it takes
+        // the whole budget.
+        assert_eq!(prompt_budget(&costs, 1, 1.0, &l), 1);
+        assert_eq!(prompt_budget(&costs, 0, 2.0, &l), 256);
+        assert_eq!(prompt_budget(&costs, 3, 0.0, &l), 253);
+        // And the step obeys it.
+        let r = [running(1, 4, 4), running(2, 100, 0)];
+        let step = next_step(&r, &l, prompt_budget(&costs, 1, 2.0, &l));
+        assert_eq!(
+            step[1],
+            Work::Prefill {
+                id: 2,
+                start: 0,
+                len: 3,
+                last: false
+            }
+        );
     }
 }

@@ -13,7 +13,10 @@ use shoal_tokenizer::ChatMessage;
 
 use crate::SplitModel;
 use crate::control::{ErrorKind, FromRunner, GenerateRequest, Timings, ToRunner, Usage};
-use crate::scheduler::{Limits, Running, Waiting, Work, admit, fits_at_all, may_queue, next_step};
+use crate::scheduler::{
+    Limits, Running, StepCosts, Waiting, Work, admit, fits_at_all, may_queue, next_step,
+    prompt_budget,
+};
 use crate::step::{Logits, Part};
 
 /// How much the loop lets in.
@@ -22,6 +25,8 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// Prompt positions kept after their answers for later requests that share them.
     pub prefix_positions: usize,
+    /// A step beside streams lasts at most this many decode-only steps (0: no bound).
+    pub gap_bound: f64,
 }
 
 impl ServeConfig {
@@ -36,6 +41,7 @@ impl ServeConfig {
                 max_queue: 4 * max_batch.max(16),
             },
             prefix_positions: 4 * context,
+            gap_bound: 2.0,
         }
     }
 }
@@ -171,6 +177,8 @@ struct Serving<'e, 'm, T: Transport> {
     /// The load last reported: running, prefilling, waiting.
     reported: (usize, usize, usize),
     prefixes: Prefixes,
+    /// What steps have cost: sizes prompt slices beside streams.
+    costs: StepCosts,
 }
 
 /// Serves until the node closes the inbox (Ok) or the instance breaks (Err, after every
@@ -191,6 +199,7 @@ pub fn serve<T: Transport>(
         send,
         reported: (0, 0, 0),
         prefixes: Prefixes::default(),
+        costs: StepCosts::default(),
     };
     loop {
         // Block only when there is nothing to compute.
@@ -360,10 +369,21 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     /// its row, samples and says what it made.
     fn step(&mut self) -> Result<(), EngineError> {
         let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
-        let work = next_step(&running, &self.config.limits);
+        let decoding = running.iter().filter(|r| r.decoding()).count();
+        let limits = &self.config.limits;
+        let budget = prompt_budget(&self.costs, decoding, self.config.gap_bound, limits);
+        let work = next_step(&running, limits, budget);
         if work.is_empty() {
             return Ok(());
         }
+        let started = Instant::now();
+        let prompt_tokens: usize = work
+            .iter()
+            .map(|w| match w {
+                Work::Prefill { len, .. } => *len,
+                Work::Decode { .. } => 0,
+            })
+            .sum();
         // Indices into `running` of the parts that want logits, in part order.
         let mut sampling = Vec::new();
         let mut parts = Vec::with_capacity(work.len());
@@ -427,6 +447,9 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 finished.push(i);
             }
         }
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.costs.observe(decoding, prompt_tokens, ms);
+        tracing::debug!(decoding, prompt_tokens, budget, ms, "step");
         finished.sort_unstable();
         for i in finished.into_iter().rev() {
             let s = self.running.remove(i);

@@ -72,6 +72,8 @@ pub struct NodeConfig {
     pub runner_threads: Option<usize>,
     /// Requests a rank-0 runner serves at once.
     pub max_batch: usize,
+    /// Rank 0's bound on a step beside streams, in decode steps.
+    pub gap_bound: f64,
 }
 
 const TICK: Duration = Duration::from_millis(250);
