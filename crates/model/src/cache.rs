@@ -18,6 +18,10 @@ pub struct KvCache {
     first_layer: usize,
     len: usize,
     max_len: usize,
+    /// Positions the sequence is expected to reach: storage grows to them at once, so a
+    /// long prompt is not copied again each time it doubles (a step that copies a cache of
+    /// thousands of positions in every layer stalls every stream in the batch).
+    reserve: usize,
     device: Device,
     dtype: DType,
 }
@@ -42,12 +46,19 @@ impl KvCache {
             first_layer,
             len: 0,
             max_len,
+            reserve: 0,
             device: device.clone(),
             dtype,
         }
     }
 
     /// Positions already stored.
+    /// Expects the sequence to reach `positions` (its prompt and answer): the next growth
+    /// of the storage goes straight there.
+    pub fn reserve(&mut self, positions: usize) {
+        self.reserve = self.reserve.max(positions.min(self.max_len));
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }
@@ -124,6 +135,7 @@ impl KvCache {
         if needed > capacity {
             let new_cap = needed
                 .next_power_of_two()
+                .max(self.reserve)
                 .clamp(64, self.max_len.max(needed));
             let fresh = LayerCache {
                 k: Tensor::zeros((n_kv, new_cap, hd), self.dtype, &self.device)?,
@@ -177,6 +189,7 @@ impl KvCache {
             first_layer: self.first_layer,
             len,
             max_len: self.max_len,
+            reserve: 0,
             device: self.device.clone(),
             dtype: self.dtype,
         })

@@ -405,6 +405,7 @@ impl<T: Transport> Rank<T> {
                 seq: *seq,
                 tokens: tokens.clone(),
                 logits: *logits,
+                reserve: 0,
             }]),
             Step::Batch { parts } => self.execute_batch(parts),
             Step::Fork { from, to, len } => {
@@ -438,9 +439,12 @@ impl<T: Transport> Rank<T> {
         let mut caches: Vec<KvCache> = parts
             .iter()
             .map(|p| {
-                self.caches
+                let mut cache = self
+                    .caches
                     .remove(&p.seq)
-                    .unwrap_or_else(|| self.model.new_cache())
+                    .unwrap_or_else(|| self.model.new_cache());
+                cache.reserve(p.reserve as usize);
+                cache
             })
             .collect();
         let tokens: usize = parts.iter().map(|p| p.tokens.len()).sum();

@@ -408,10 +408,12 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             if logits != Logits::None {
                 sampling.push(i);
             }
+            let s = &self.running[i];
             parts.push(Part {
-                seq: self.running[i].seq,
+                seq: s.seq,
                 tokens,
                 logits,
+                reserve: u32::try_from(s.prompt.len() + s.max_new).unwrap_or(u32::MAX),
             });
         }
         let prefilled: Vec<(usize, usize)> = work
@@ -429,6 +431,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             self.running[i].prefilled += len;
         }
         let Some(logits) = logits else {
+            self.observe(started, decoding, prompt_tokens, budget);
             return Ok(());
         };
         let mut finished = Vec::new();
@@ -447,9 +450,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 finished.push(i);
             }
         }
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        self.costs.observe(decoding, prompt_tokens, ms);
-        tracing::debug!(decoding, prompt_tokens, budget, ms, "step");
+        self.observe(started, decoding, prompt_tokens, budget);
         finished.sort_unstable();
         for i in finished.into_iter().rev() {
             let s = self.running.remove(i);
@@ -461,6 +462,13 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             }
         }
         Ok(())
+    }
+
+    /// A step's time, for the costs that size the next ones' prompt slices.
+    fn observe(&mut self, started: Instant, decoding: usize, prompt_tokens: usize, budget: usize) {
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.costs.observe(decoding, prompt_tokens, ms);
+        tracing::debug!(decoding, prompt_tokens, budget, ms, "step");
     }
 
     /// A step the ranks refused (nothing ran: the sequences in it fail, the rest go on)

@@ -30,6 +30,8 @@ pub struct Part {
     pub seq: u64,
     pub tokens: Vec<u32>,
     pub logits: Logits,
+    /// Positions the sequence will reach (prompt and answer): ranks size its cache once.
+    pub reserve: u32,
 }
 
 /// What every rank does next.
@@ -92,12 +94,13 @@ impl Step {
         match self {
             Self::Batch { parts } => {
                 let tokens: usize = parts.iter().map(|p| p.tokens.len()).sum();
-                let mut b = Vec::with_capacity(5 + 13 * parts.len() + 4 * tokens);
+                let mut b = Vec::with_capacity(5 + 17 * parts.len() + 4 * tokens);
                 b.push(BATCH);
                 b.extend_from_slice(&(parts.len() as u32).to_le_bytes());
                 for p in parts {
                     b.push(p.logits.byte());
                     b.extend_from_slice(&p.seq.to_le_bytes());
+                    b.extend_from_slice(&p.reserve.to_le_bytes());
                     b.extend_from_slice(&(p.tokens.len() as u32).to_le_bytes());
                     for t in &p.tokens {
                         b.extend_from_slice(&t.to_le_bytes());
@@ -142,8 +145,9 @@ impl Step {
                 for _ in 0..count {
                     let logits = logits_of(*b.get(at).ok_or("a batch step ends early")?)?;
                     let seq = seq_at(b, at + 1)?;
-                    let n = u32_at(b, at + 9)? as usize;
-                    at += 13;
+                    let reserve = u32_at(b, at + 9)?;
+                    let n = u32_at(b, at + 13)? as usize;
+                    at += 17;
                     let end = n
                         .checked_mul(4)
                         .and_then(|len| at.checked_add(len))
@@ -158,6 +162,7 @@ impl Step {
                         seq,
                         tokens,
                         logits,
+                        reserve,
                     });
                 }
                 if at != b.len() {
@@ -236,11 +241,13 @@ mod tests {
                         seq: 1,
                         tokens: vec![4],
                         logits: Logits::Last,
+                        reserve: 100,
                     },
                     Part {
                         seq: 9,
                         tokens: vec![1, 2, 3],
                         logits: Logits::None,
+                        reserve: 0,
                     },
                 ],
             },
@@ -267,6 +274,7 @@ mod tests {
                 seq: 1,
                 tokens: vec![4, 5],
                 logits: Logits::All,
+                reserve: 7,
             }],
         }
         .encode();

@@ -89,6 +89,7 @@ fn batched(path: &std::path::Path, strategy: Strategy, world: usize) -> Vec<Vec<
                 seq: seqs[i],
                 tokens: chunk(i, k),
                 logits: want(i, k),
+                reserve: 0,
             })
             .collect();
         sizes.push(parts.len());
