@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use shoal_engine::{Engine, GenerateParams, LoadOptions, Session};
-use shoal_testbed::{Cluster, Testbed, eventually, install_from_store, succeed};
+use shoal_testbed::{Cluster, Testbed, eventually, serving_one, succeed};
 use shoal_tokenizer::ChatMessage;
 
 const MODEL: &str = "smollm2-135m";
@@ -31,29 +31,7 @@ fn bin() -> &'static Path {
 /// One node on one host with an instance of the model, ready.
 fn serving(args: &[&str], ctx: usize) -> Option<Cluster> {
     let bed = Testbed::for_test(1)?;
-    let mut c = Cluster::new(bed, bin());
-    install_from_store(bin(), MODEL, &c.nodes[0].dir);
-    c.nodes[0].args(args);
-    c.start();
-    let node = &c.nodes[0];
-    eventually(Duration::from_secs(30), "the node answers", || {
-        node.status().is_some_and(|s| s["master_id"].is_string())
-    });
-    let ctx = ctx.to_string();
-    succeed(
-        node.cli(&["place", MODEL, "--ctx", &ctx, "--nodes", "1"]),
-        "shoal place",
-    );
-    eventually(Duration::from_secs(60), "the instance ready", || {
-        node.status().is_some_and(|s| {
-            s["instances"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|i| i["status"]["state"] == "ready")
-        })
-    });
-    Some(c)
+    Some(serving_one(bed, bin(), MODEL, ctx, args))
 }
 
 /// Sequences the node's rank-0 runner holds: (running, prefilling, waiting).

@@ -62,15 +62,15 @@ async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io
         Some(Ok(Route::Local(jobs))) => jobs,
         Some(Ok(Route::Remote(_))) => {
             let why = "rank 0 is not on this node any more".to_string();
-            return write_line(stream, &Piece::Error(why)).await;
+            return write_line(stream, &Piece::broken(why)).await;
         }
-        Some(Err(why)) => return write_line(stream, &Piece::Error(why)).await,
+        Some(Err(why)) => return write_line(stream, &Piece::broken(why.to_string())).await,
         None => {
             let why = "the node holding rank 0 did not route the request".to_string();
-            return write_line(stream, &Piece::Error(why)).await;
+            return write_line(stream, &Piece::broken(why)).await;
         }
     };
-    let (tx, mut rx) = mpsc::channel(256);
+    let (tx, mut rx) = mpsc::unbounded_channel();
     if jobs
         .send(Job {
             request: req.request,
@@ -80,15 +80,15 @@ async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io
         .is_err()
     {
         let why = "rank 0's runner is gone".to_string();
-        return write_line(stream, &Piece::Error(why)).await;
+        return write_line(stream, &Piece::broken(why)).await;
     }
     loop {
         let piece = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
             Ok(Some(p)) => p,
-            Ok(None) => Piece::Error("rank 0's runner stopped before the answer ended".into()),
+            Ok(None) => Piece::broken("rank 0's runner stopped before the answer ended"),
             Err(_) => Piece::Keepalive,
         };
-        let last = matches!(piece, Piece::Done | Piece::Error(_));
+        let last = piece.ends();
         write_line(stream, &piece).await?;
         if last {
             return futures::AsyncWriteExt::close(stream).await;
@@ -103,27 +103,27 @@ pub fn forward(
     mut streams: libp2p_stream::Control,
     peer: PeerId,
     request: GenerateRequest,
-) -> mpsc::Receiver<Piece> {
-    let (tx, rx) = mpsc::channel(256);
+) -> mpsc::UnboundedReceiver<Piece> {
+    let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
         let opened = tokio::time::timeout(OPEN, streams.open_stream(peer, p2p::GENERATE)).await;
         let stream = match opened {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 let why = format!("cannot reach node {peer}, which holds rank 0: {e}");
-                let _ = tx.send(Piece::Error(why)).await;
+                let _ = tx.send(Piece::broken(why));
                 return;
             }
             Err(_) => {
                 let why = format!("node {peer}, which holds rank 0, did not answer in {OPEN:?}");
-                let _ = tx.send(Piece::Error(why)).await;
+                let _ = tx.send(Piece::broken(why));
                 return;
             }
         };
         let mut stream = futures::io::BufReader::new(stream);
         if let Err(e) = write_line(stream.get_mut(), &Forward { request }).await {
             let why = format!("cannot send the request to node {peer}: {e}");
-            let _ = tx.send(Piece::Error(why)).await;
+            let _ = tx.send(Piece::broken(why));
             return;
         }
         loop {
@@ -134,15 +134,15 @@ pub fn forward(
             let piece = match read {
                 Ok(Piece::Keepalive) => continue,
                 Ok(p) => p,
-                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Piece::Error(format!(
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Piece::broken(format!(
                     "no word from node {peer} (rank 0) for {SILENCE:?}: the link is cut or the node froze"
                 )),
-                Err(e) => Piece::Error(format!(
+                Err(e) => Piece::broken(format!(
                     "the link to node {peer} (rank 0) broke before the answer ended: {e}"
                 )),
             };
-            let last = matches!(piece, Piece::Done | Piece::Error(_));
-            if tx.send(piece).await.is_err() || last {
+            let last = piece.ends();
+            if tx.send(piece).is_err() || last {
                 return; // the client went away, or the answer is complete
             }
         }

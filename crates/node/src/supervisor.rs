@@ -24,7 +24,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use shoal_cluster::RunnerStatus;
-use shoal_runner::control::{FromRunner, GenerateRequest, ToRunner};
+use shoal_runner::control::{
+    ErrorKind, FinishReason, FromRunner, GenerateRequest, ToRunner, Usage,
+};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, oneshot};
@@ -64,17 +66,48 @@ pub struct RunnerSpec {
 pub enum Piece {
     Text(String),
     /// The answer is complete.
-    Done,
+    Done(Finish),
     /// The answer failed; nothing follows.
-    Error(String),
+    Error(Failure),
     /// Nothing new, but the sender is alive (streams between nodes, when idle).
     Keepalive,
+}
+
+/// How an answer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Finish {
+    pub finish_reason: FinishReason,
+    pub usage: Usage,
+}
+
+/// Why an answer failed: the kind decides the status code a client sees.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Piece {
+    /// A failure of the serving machinery (a runner, a node, a link), not the request's.
+    pub fn broken(message: impl Into<String>) -> Piece {
+        Piece::Error(Failure {
+            kind: ErrorKind::Broken,
+            message: message.into(),
+        })
+    }
+
+    /// The last piece of an answer.
+    pub fn ends(&self) -> bool {
+        matches!(self, Piece::Done(_) | Piece::Error(_))
+    }
 }
 
 /// One request for rank 0 and where its answer goes.
 pub struct Job {
     pub request: GenerateRequest,
-    pub reply: mpsc::Sender<Piece>,
+    /// Unbounded: an answer is bounded by its max_tokens, and a slow client must not
+    /// lose its end (or be cancelled) because the runner is faster than its connection.
+    pub reply: mpsc::UnboundedSender<Piece>,
 }
 
 /// What a runner's task reports to the node.
@@ -285,14 +318,14 @@ async fn supervise(
                         continue;
                     }
                     FromRunner::Text { id, text } => (id, Piece::Text(text)),
-                    FromRunner::Done { id, .. } => (id, Piece::Done),
-                    FromRunner::Error { id, message, .. } => (id, Piece::Error(message)),
+                    FromRunner::Done { id, finish_reason, usage, .. } => (id, Piece::Done(Finish { finish_reason, usage })),
+                    FromRunner::Error { id, kind, message } => (id, Piece::Error(Failure { kind, message })),
                 };
                 last_progress = Instant::now();
                 let last = !matches!(piece, Piece::Text(_));
-                let delivered = inflight.get(&id).is_some_and(|j| j.reply.try_send(piece).is_ok());
+                let delivered = inflight.get(&id).is_some_and(|j| j.reply.send(piece).is_ok());
                 if last || !delivered {
-                    // Ended, or its client is gone or too far behind to keep up.
+                    // Ended, or its client is gone.
                     if inflight.remove(&id).is_some() && !last {
                         let _ = send(&mut write, &ToRunner::Cancel { id }).await;
                     }
@@ -304,7 +337,7 @@ async fn supervise(
                     let id = next_id;
                     let msg = ToRunner::Generate { id, request: job.request.clone() };
                     if let Err(e) = send(&mut write, &msg).await {
-                        let _ = job.reply.try_send(Piece::Error(format!("runner unreachable: {e}")));
+                        let _ = job.reply.send(Piece::broken(format!("runner unreachable: {e}")));
                     } else {
                         if inflight.is_empty() {
                             last_progress = Instant::now();
@@ -360,7 +393,7 @@ fn describe(status: std::io::Result<std::process::ExitStatus>) -> String {
 
 fn fail_all(inflight: &mut HashMap<u64, Job>, why: &str) {
     for (_, job) in inflight.drain() {
-        let _ = job.reply.try_send(Piece::Error(why.to_string()));
+        let _ = job.reply.send(Piece::broken(why));
     }
 }
 
@@ -368,7 +401,7 @@ fn fail_all(inflight: &mut HashMap<u64, Job>, why: &str) {
 fn stop_jobs(jobs: &mut mpsc::Receiver<Job>, inflight: &mut HashMap<u64, Job>, why: &str) {
     jobs.close();
     while let Ok(job) = jobs.try_recv() {
-        let _ = job.reply.try_send(Piece::Error(why.to_string()));
+        let _ = job.reply.send(Piece::broken(why));
     }
     fail_all(inflight, why);
 }

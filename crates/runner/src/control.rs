@@ -5,7 +5,9 @@
 
 use serde::{Deserialize, Serialize};
 use shoal_cluster::RunnerStatus;
-use shoal_engine::{FinishReason, GenerateParams, SamplingParams};
+pub use shoal_engine::FinishReason;
+use shoal_engine::{GenerateParams, SamplingParams};
+pub use shoal_tokenizer::ChatMessage;
 
 /// Node → runner.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -60,7 +62,14 @@ pub enum FromRunner {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateRequest {
+    /// One user turn (with `system`), or raw text with `raw`; ignored when `messages`
+    /// holds a conversation.
+    #[serde(default)]
     pub prompt: String,
+    /// A whole conversation (system, user, assistant turns), rendered by the model's
+    /// chat template.
+    #[serde(default)]
+    pub messages: Vec<ChatMessage>,
     /// The prompt as raw text, without the chat template.
     #[serde(default)]
     pub raw: bool,
@@ -100,6 +109,7 @@ impl GenerateRequest {
     pub fn new(prompt: impl Into<String>) -> Self {
         Self {
             prompt: prompt.into(),
+            messages: Vec::new(),
             raw: false,
             system: None,
             max_tokens: default_max_tokens(),
@@ -215,9 +225,14 @@ mod tests {
             serde_json::from_str(r#"{"prompt": "hi", "max_tokens": 5}"#).expect("ok");
         assert_eq!(ok.max_tokens, 5);
         assert_eq!(ok.top_p, 1.0);
+        let chat: GenerateRequest = serde_json::from_str(
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}"#,
+        )
+        .expect("a conversation");
+        assert_eq!(chat.messages[0].content, "hi");
         for bad in [
             r#"{"prompt": "hi", "max_tokens": "x"}"#,
-            r#"{"max_tokens": 5}"#,
+            r#"{"messages": "hi"}"#,
             r#"{"prompt": "hi", "n": 2}"#,
             r#"{"prompt": 7}"#,
         ] {

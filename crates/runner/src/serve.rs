@@ -237,6 +237,10 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     }
 
     fn on_generate(&mut self, id: u64, request: &GenerateRequest) {
+        if request.prompt.is_empty() && request.messages.is_empty() {
+            let why = "the request has neither a prompt nor messages".to_string();
+            return self.fail(id, ErrorKind::Invalid, why);
+        }
         let prompt = match self.tokenize(request) {
             Ok(p) => p,
             Err(e) => return self.fail(id, ErrorKind::Invalid, e.to_string()),
@@ -285,7 +289,9 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     }
 
     fn tokenize(&self, r: &GenerateRequest) -> Result<Vec<u32>, EngineError> {
-        let ids = if r.raw {
+        let ids = if !r.messages.is_empty() {
+            self.engine.chat_prompt(&r.messages)?
+        } else if r.raw {
             self.engine.raw_prompt(&r.prompt)?
         } else {
             let mut messages = Vec::new();

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 pub use process::{Proc, children};
 pub use relay::Shape;
-pub use shoal::{Cluster, Node, eventually, install_from_store, succeed};
+pub use shoal::{Cluster, Node, eventually, install_from_store, serving_one, succeed};
 
 /// What went wrong making or driving the testbed.
 #[derive(Debug, thiserror::Error)]

@@ -235,6 +235,40 @@ impl Drop for Cluster {
 }
 
 /// Waits until `check` holds, at most `within`; returns how long it took.
+/// One host's node up with a ready single-node instance of `model` (installed from the
+/// local store first): the start of every test of serving on one machine.
+pub fn serving_one(
+    bed: crate::Testbed,
+    bin: &Path,
+    model: &str,
+    ctx: usize,
+    args: &[&str],
+) -> Cluster {
+    let mut c = Cluster::new(bed, bin);
+    install_from_store(bin, model, &c.nodes[0].dir);
+    c.nodes[0].args(args);
+    c.start();
+    let node = &c.nodes[0];
+    eventually(Duration::from_secs(30), "the node answers", || {
+        node.status().is_some_and(|s| s["master_id"].is_string())
+    });
+    let ctx = ctx.to_string();
+    succeed(
+        node.cli(&["place", model, "--ctx", &ctx, "--nodes", "1"]),
+        "shoal place",
+    );
+    eventually(Duration::from_secs(60), "the instance ready", || {
+        node.status().is_some_and(|s| {
+            s["instances"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|i| i["status"]["state"] == "ready")
+        })
+    });
+    c
+}
+
 pub fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
     while !check() {

@@ -83,7 +83,18 @@ impl Daemon {
 
     /// A ready instance of `model` (any model when `None`): one whose rank 0 runs here if
     /// there is one, else the first; `local_only` for requests forwarded from a peer.
-    pub(super) fn route(&self, model: Option<&str>, local_only: bool) -> Result<Route, String> {
+    pub(super) fn route(&self, model: Option<&str>, local_only: bool) -> Result<Route, RouteError> {
+        if let Some(m) = model {
+            let placed = self.state.instances.values().any(|i| i.model == m);
+            if !placed && shoal_store::find_card(m).is_none() {
+                return Err(RouteError::UnknownModel(m.to_string()));
+            }
+        }
+        self.route_ready(model, local_only)
+            .map_err(RouteError::NotReady)
+    }
+
+    fn route_ready(&self, model: Option<&str>, local_only: bool) -> Result<Route, String> {
         let ready: Vec<&Instance> = self
             .state
             .instances

@@ -110,8 +110,19 @@ pub enum ApiCall {
         model: Option<String>,
         /// Only a local rank 0 will do (a request another node forwarded here).
         local_only: bool,
-        reply: oneshot::Sender<Result<Route, String>>,
+        reply: oneshot::Sender<Result<Route, RouteError>>,
     },
+}
+
+/// Why a request has nowhere to go.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// No model of that name is known to shoal or placed in the cluster.
+    #[error("unknown model {0} (see `shoal models`)")]
+    UnknownModel(String),
+    /// The model is known but no instance of it is ready (yet).
+    #[error("{0}")]
+    NotReady(String),
 }
 
 pub enum Route {

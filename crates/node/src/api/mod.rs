@@ -1,4 +1,5 @@
-//! The node's control HTTP API: `GET /v1/status`, `POST /v1/place`, `POST /v1/run`.
+//! The node's HTTP API: its own `GET /v1/status`, `POST /v1/place`, `POST /v1/run`, and
+//! the OpenAI protocol ([`openai`]) on the same serving core.
 //!
 //! Handlers never touch the node's state: they send a call to the node's loop and wait
 //! (with a deadline) for its answer. A request for a model whose rank 0 lives on another
@@ -24,16 +25,18 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::daemon::{ApiCall, Route};
-use crate::supervisor::{Job, Piece};
-use shoal_runner::control::GenerateRequest;
+use crate::daemon::{ApiCall, Route, RouteError};
+use crate::supervisor::{Failure, Job, Piece};
+use shoal_runner::control::{ErrorKind, GenerateRequest};
+
+mod openai;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
 /// A keepalive line after this much quiet on an answer's stream.
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
-struct Api {
+pub(crate) struct Api {
     calls: mpsc::Sender<ApiCall>,
     streams: libp2p_stream::Control,
 }
@@ -47,6 +50,9 @@ pub async fn serve(
         .route("/v1/status", get(status))
         .route("/v1/place", post(place))
         .route("/v1/run", post(run))
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
         .with_state(Api { calls, streams });
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
@@ -57,32 +63,108 @@ fn error(code: StatusCode, msg: impl Into<String>) -> Response {
     (code, Json(json!({ "error": msg.into() }))).into_response()
 }
 
+/// A request the node cannot take, with the status code it earns; each protocol writes
+/// it in its own error shape.
+#[derive(Debug)]
+pub(crate) struct Refusal {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    /// An answer's failure before its first piece, by kind.
+    fn of(f: Failure) -> Self {
+        let status = match f.kind {
+            ErrorKind::Invalid => StatusCode::BAD_REQUEST,
+            ErrorKind::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Broken => StatusCode::BAD_GATEWAY,
+        };
+        Self::new(status, f.message)
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        error(self.status, self.message)
+    }
+}
+
 async fn ask<T>(
     calls: &mpsc::Sender<ApiCall>,
     make: impl FnOnce(oneshot::Sender<T>) -> ApiCall,
-) -> Result<T, Response> {
+) -> Result<T, Refusal> {
     let (tx, rx) = oneshot::channel();
     calls
         .send(make(tx))
         .await
-        .map_err(|_| error(StatusCode::SERVICE_UNAVAILABLE, "the node is stopping"))?;
+        .map_err(|_| Refusal::new(StatusCode::SERVICE_UNAVAILABLE, "the node is stopping"))?;
     match tokio::time::timeout(LOOP_DEADLINE, rx).await {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(_)) => Err(error(
+        Ok(Err(_)) => Err(Refusal::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "the node dropped the call",
         )),
-        Err(_) => Err(error(
+        Err(_) => Err(Refusal::new(
             StatusCode::GATEWAY_TIMEOUT,
             "the node did not answer in time",
         )),
     }
 }
 
+/// Sends `request` to its instance's rank 0, here or on the peer that holds it, and
+/// waits for the first piece of the answer (which decides the status code): the first
+/// piece and the rest. Every answer ends with `Done` or `Error`.
+pub(crate) async fn submit(
+    api: &Api,
+    request: GenerateRequest,
+) -> Result<(Piece, mpsc::UnboundedReceiver<Piece>), Refusal> {
+    let model = request.model.clone();
+    let route = ask(&api.calls, |reply| ApiCall::Route {
+        model,
+        local_only: false,
+        reply,
+    })
+    .await?;
+    let mut rx = match route {
+        Ok(Route::Local(jobs)) => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            if jobs.send(Job { request, reply: tx }).await.is_err() {
+                return Err(Refusal::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "rank 0's runner is gone",
+                ));
+            }
+            rx
+        }
+        Ok(Route::Remote(peer)) => crate::forward::forward(api.streams.clone(), peer, request),
+        Err(e @ RouteError::UnknownModel(_)) => {
+            return Err(Refusal::new(StatusCode::NOT_FOUND, e.to_string()));
+        }
+        Err(e @ RouteError::NotReady(_)) => {
+            return Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()));
+        }
+    };
+    match rx.recv().await {
+        Some(Piece::Error(f)) => Err(Refusal::of(f)),
+        None => Err(Refusal::new(
+            StatusCode::BAD_GATEWAY,
+            "rank 0's runner stopped before answering",
+        )),
+        Some(p) => Ok((p, rx)),
+    }
+}
+
 async fn status(State(api): State<Api>) -> Response {
     match ask(&api.calls, ApiCall::Status).await {
         Ok(v) => Json(v).into_response(),
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 
@@ -120,7 +202,7 @@ async fn place(
     match r {
         Ok(Ok(v)) => Json(v).into_response(),
         Ok(Err(why)) => error(StatusCode::UNPROCESSABLE_ENTITY, why),
-        Err(r) => r,
+        Err(r) => r.into_response(),
     }
 }
 
@@ -137,35 +219,9 @@ async fn run(
         Ok(r) => r,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("bad request: {e}")),
     };
-    let model = request.model.clone();
-    let route = ask(&api.calls, |reply| ApiCall::Route {
-        model,
-        local_only: false,
-        reply,
-    })
-    .await;
-    let mut rx = match route {
-        Ok(Ok(Route::Local(jobs))) => {
-            let (tx, rx) = mpsc::channel(256);
-            if jobs.send(Job { request, reply: tx }).await.is_err() {
-                return error(StatusCode::SERVICE_UNAVAILABLE, "rank 0's runner is gone");
-            }
-            rx
-        }
-        Ok(Ok(Route::Remote(peer))) => crate::forward::forward(api.streams.clone(), peer, request),
-        Ok(Err(why)) => return error(StatusCode::SERVICE_UNAVAILABLE, why),
-        Err(r) => return r,
-    };
-    // The first piece decides the status code.
-    let first = match rx.recv().await {
-        Some(Piece::Error(why)) => return error(StatusCode::BAD_GATEWAY, why),
-        None => {
-            return error(
-                StatusCode::BAD_GATEWAY,
-                "rank 0's runner stopped before answering",
-            );
-        }
-        Some(p) => p,
+    let (first, rx) = match submit(&api, request).await {
+        Ok(answer) => answer,
+        Err(r) => return r.into_response(),
     };
     Response::builder()
         .header(header::CONTENT_TYPE, "application/x-ndjson")
@@ -189,8 +245,8 @@ fn next(piece: Option<Piece>) -> Next {
     match piece {
         Some(Piece::Text(t)) => Next::Line(line(json!({ "text": t }))),
         Some(Piece::Keepalive) => Next::Line(Bytes::from_static(b"\n")),
-        Some(Piece::Done) => Next::End,
-        Some(Piece::Error(why)) => Next::Fail(line(json!({ "error": why }))),
+        Some(Piece::Done(_)) => Next::End,
+        Some(Piece::Error(f)) => Next::Fail(line(json!({ "error": f.message }))),
         None => Next::Fail(line(json!({
             "error": "rank 0's runner stopped before the answer ended"
         }))),
@@ -200,7 +256,7 @@ fn next(piece: Option<Piece>) -> Next {
 /// The answer as JSON lines, with keepalives; see the module's comment for how it ends.
 fn answer_lines(
     first: Piece,
-    rx: mpsc::Receiver<Piece>,
+    rx: mpsc::UnboundedReceiver<Piece>,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
     enum At {
         First(Piece),

@@ -1,0 +1,790 @@
+//! The OpenAI protocol on the serving core: `POST /v1/chat/completions`,
+//! `POST /v1/completions` (streamed as server-sent events ending `data: [DONE]`, or one
+//! JSON body) and `GET /v1/models`.
+//!
+//! Requests are read into typed shapes that refuse unknown fields and wrong types (as
+//! OpenAI does), then turned into the runner's [`GenerateRequest`] by pure functions.
+//! A parameter shoal cannot honour yet (`n > 1`, `logprobs`, `tools`, penalties, a JSON
+//! schema) is a 400 naming it, never silently ignored. Errors have OpenAI's shape:
+//! `{"error": {"message", "type", "param", "code"}}`. A failure after the stream began is
+//! one `data: {"error": …}` event, then the body is broken off (no `[DONE]`), so a
+//! client never takes a cut answer for a whole one.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, Usage};
+use tokio::sync::mpsc;
+
+use super::{Api, KEEPALIVE, Refusal, ask, submit};
+use crate::daemon::ApiCall;
+use crate::supervisor::{Finish, Piece};
+
+/// The default answer length when a request names none (OpenAI's is the model's room).
+const DEFAULT_MAX_TOKENS: usize = 1024;
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ChatRequest {
+    model: String,
+    messages: Vec<Message>,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<usize>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<usize>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    response_format: Option<Value>,
+    /// Accepted and not used: OpenAI's end-user tag.
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CompletionRequest {
+    model: String,
+    prompt: String,
+    #[serde(default)]
+    max_tokens: Option<usize>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<usize>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    logprobs: Option<usize>,
+    #[serde(default)]
+    echo: bool,
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Message {
+    role: Role,
+    #[serde(default)]
+    content: Option<Content>,
+    /// Accepted and not used: a participant's name.
+    #[serde(default)]
+    #[allow(dead_code)]
+    name: Option<String>,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Role {
+    System,
+    Developer,
+    User,
+    Assistant,
+    Tool,
+}
+
+/// A message's content: a string, or parts of which shoal reads the text ones.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum Part {
+    Text { text: String },
+    ImageUrl {},
+    InputAudio {},
+    File {},
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// A request shoal cannot take, with the parameter at fault.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Unsupported {
+    pub param: &'static str,
+    pub message: String,
+}
+
+fn unsupported(param: &'static str, message: impl Into<String>) -> Unsupported {
+    Unsupported {
+        param,
+        message: message.into(),
+    }
+}
+
+/// Refuses what is set but not honoured yet.
+fn refuse_unhonoured(
+    n: Option<usize>,
+    presence: Option<f32>,
+    frequency: Option<f32>,
+) -> Result<(), Unsupported> {
+    if n.is_some_and(|n| n != 1) {
+        return Err(unsupported("n", "only n = 1 is supported"));
+    }
+    if presence.is_some_and(|p| p != 0.0) {
+        return Err(unsupported(
+            "presence_penalty",
+            "presence_penalty is not supported yet",
+        ));
+    }
+    if frequency.is_some_and(|p| p != 0.0) {
+        return Err(unsupported(
+            "frequency_penalty",
+            "frequency_penalty is not supported yet",
+        ));
+    }
+    Ok(())
+}
+
+fn sampling(
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    r: &mut GenerateRequest,
+) -> Result<(), Unsupported> {
+    // OpenAI's default temperature is 1; its range is 0..=2.
+    let t = temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&t) {
+        return Err(unsupported(
+            "temperature",
+            "temperature must be within 0 and 2",
+        ));
+    }
+    let p = top_p.unwrap_or(1.0);
+    if !(p > 0.0 && p <= 1.0) {
+        return Err(unsupported("top_p", "top_p must be within (0, 1]"));
+    }
+    r.temperature = t;
+    r.top_p = p;
+    Ok(())
+}
+
+fn text_of(content: Option<Content>) -> Result<String, Unsupported> {
+    match content {
+        None => Ok(String::new()),
+        Some(Content::Text(t)) => Ok(t),
+        Some(Content::Parts(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match p {
+                    Part::Text { text } => out.push_str(&text),
+                    _ => {
+                        return Err(unsupported(
+                            "messages",
+                            "only text content is supported (no images, audio or files)",
+                        ));
+                    }
+                }
+            }
+            Ok(out)
+        }
+    }
+}
+
+impl ChatRequest {
+    /// The runner's request, and whether to stream with usage at the end.
+    pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool, bool), Unsupported> {
+        refuse_unhonoured(self.n, self.presence_penalty, self.frequency_penalty)?;
+        if self.logprobs == Some(true) || self.top_logprobs.is_some() {
+            return Err(unsupported("logprobs", "logprobs are not supported yet"));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) || self.tool_choice.is_some() {
+            return Err(unsupported("tools", "tool calling is not supported yet"));
+        }
+        if let Some(f) = &self.response_format
+            && f.get("type").and_then(Value::as_str) != Some("text")
+        {
+            return Err(unsupported(
+                "response_format",
+                "only the text response format is supported",
+            ));
+        }
+        if self.messages.is_empty() {
+            return Err(unsupported("messages", "messages must not be empty"));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for m in self.messages {
+            let role = match m.role {
+                Role::System | Role::Developer => "system",
+                Role::User => "user",
+                Role::Assistant => "assistant",
+                Role::Tool => "tool",
+            };
+            messages.push(ChatMessage::new(role, text_of(m.content)?));
+        }
+        let mut r = GenerateRequest::new("");
+        r.messages = messages;
+        r.model = Some(self.model);
+        r.max_tokens = self
+            .max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(DEFAULT_MAX_TOKENS);
+        if r.max_tokens == 0 {
+            return Err(unsupported("max_tokens", "max_tokens must be at least 1"));
+        }
+        sampling(self.temperature, self.top_p, &mut r)?;
+        r.seed = self.seed.unwrap_or(0);
+        r.stop = self.stop.map(Stop::into_vec).unwrap_or_default();
+        let usage = self.stream_options.is_some_and(|o| o.include_usage);
+        Ok((r, self.stream, usage))
+    }
+}
+
+impl CompletionRequest {
+    pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool, bool), Unsupported> {
+        refuse_unhonoured(self.n, self.presence_penalty, self.frequency_penalty)?;
+        if self.logprobs.is_some() {
+            return Err(unsupported("logprobs", "logprobs are not supported yet"));
+        }
+        if self.echo {
+            return Err(unsupported("echo", "echo is not supported"));
+        }
+        let mut r = GenerateRequest::new(self.prompt);
+        r.raw = true;
+        r.model = Some(self.model);
+        // OpenAI's legacy default is 16 tokens.
+        r.max_tokens = self.max_tokens.unwrap_or(16);
+        if r.max_tokens == 0 {
+            return Err(unsupported("max_tokens", "max_tokens must be at least 1"));
+        }
+        sampling(self.temperature, self.top_p, &mut r)?;
+        r.seed = self.seed.unwrap_or(0);
+        r.stop = self.stop.map(Stop::into_vec).unwrap_or_default();
+        let usage = self.stream_options.is_some_and(|o| o.include_usage);
+        Ok((r, self.stream, usage))
+    }
+}
+
+/// An error body in OpenAI's shape.
+fn openai_error(status: StatusCode, message: &str, param: Option<&str>) -> Response {
+    let kind = match status {
+        StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+        StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::UNAUTHORIZED => "authentication_error",
+        StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
+        _ => "api_error",
+    };
+    let code = match status {
+        StatusCode::NOT_FOUND => Some("model_not_found"),
+        _ => None,
+    };
+    let body = json!({ "error": {
+        "message": message, "type": kind, "param": param, "code": code,
+    }});
+    (status, Json(body)).into_response()
+}
+
+fn refused(r: Refusal) -> Response {
+    openai_error(r.status, &r.message, None)
+}
+
+/// Reads a JSON body into `T`, or says why not (OpenAI's 400).
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Refusal> {
+    serde_json::from_slice(body).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() {
+            "the body is not valid JSON"
+        } else {
+            "the request does not fit the API"
+        };
+        Refusal::new(StatusCode::BAD_REQUEST, format!("{what}: {e}"))
+    })
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": u.cached_tokens },
+    })
+}
+
+/// Which protocol object an answer is written as.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// What every chunk and body of one answer share.
+#[derive(Clone)]
+struct Head {
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+}
+
+impl Head {
+    fn new(kind: Kind, model: &str) -> Self {
+        let prefix = match kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        };
+        Self {
+            kind,
+            id: format!("{prefix}-{:016x}", rand_id()),
+            model: model.to_string(),
+            created: now(),
+        }
+    }
+
+    /// One streamed chunk: a piece of text, and the finish reason on the last.
+    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = serde_json::Map::new();
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), json!(t));
+                }
+                json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish })
+            }
+            Kind::Completion => json!({
+                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+            }),
+        };
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model, "choices": [choice],
+        })
+    }
+
+    fn usage_chunk(&self, usage: &Usage) -> Value {
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model, "choices": [], "usage": usage_json(usage),
+        })
+    }
+
+    fn whole(&self, text: &str, finish: &Finish) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": text, "refusal": null },
+                "logprobs": null,
+                "finish_reason": finish_reason(finish.finish_reason),
+            }),
+            Kind::Completion => json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": finish_reason(finish.finish_reason),
+            }),
+        };
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created,
+            "model": self.model, "choices": [choice], "usage": usage_json(&finish.usage),
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+}
+
+/// An id unique enough for a response (not a secret).
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+pub(crate) async fn chat_completions(State(api): State<Api>, body: Bytes) -> Response {
+    let request: ChatRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return refused(r),
+    };
+    let model = request.model.clone();
+    match request.into_generate() {
+        Ok((r, stream, usage)) => {
+            answer(&api, Head::new(Kind::Chat, &model), r, stream, usage).await
+        }
+        Err(u) => openai_error(StatusCode::BAD_REQUEST, &u.message, Some(u.param)),
+    }
+}
+
+pub(crate) async fn completions(State(api): State<Api>, body: Bytes) -> Response {
+    let request: CompletionRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return refused(r),
+    };
+    let model = request.model.clone();
+    match request.into_generate() {
+        Ok((r, stream, usage)) => {
+            answer(&api, Head::new(Kind::Completion, &model), r, stream, usage).await
+        }
+        Err(u) => openai_error(StatusCode::BAD_REQUEST, &u.message, Some(u.param)),
+    }
+}
+
+async fn answer(
+    api: &Api,
+    head: Head,
+    request: GenerateRequest,
+    stream: bool,
+    usage: bool,
+) -> Response {
+    let (first, rx) = match submit(api, request).await {
+        Ok(a) => a,
+        Err(r) => return refused(r),
+    };
+    if stream {
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "text/event-stream")
+            .header(header::CACHE_CONTROL, "no-cache")
+            .body(Body::from_stream(events(head, first, rx, usage)))
+            .unwrap_or_else(|_| openai_error(StatusCode::INTERNAL_SERVER_ERROR, "response", None));
+    }
+    let mut text = String::new();
+    let mut piece = Some(first);
+    let mut rx = rx;
+    loop {
+        match piece {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::Keepalive) => {}
+            Some(Piece::Done(finish)) => return Json(head.whole(&text, &finish)).into_response(),
+            Some(Piece::Error(f)) => return refused(Refusal::of(f)),
+            None => {
+                return openai_error(
+                    StatusCode::BAD_GATEWAY,
+                    "rank 0's runner stopped before the answer ended",
+                    None,
+                );
+            }
+        }
+        piece = rx.recv().await;
+    }
+}
+
+fn event(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// What the event stream writes next.
+enum Out {
+    Bytes(Bytes),
+    /// Break the body off (after a pause, so the error event leaves hyper's buffer).
+    Fail,
+}
+
+/// The events one piece of the answer makes; true when the answer is over.
+fn piece_events(piece: Piece, head: &Head, usage: bool, out: &mut Vec<Out>) -> bool {
+    match piece {
+        Piece::Text(t) => {
+            out.push(Out::Bytes(event(&head.chunk(Some(&t), false, None))));
+            false
+        }
+        Piece::Keepalive => {
+            out.push(Out::Bytes(Bytes::from_static(b": keepalive\n\n")));
+            false
+        }
+        Piece::Done(f) => {
+            let reason = finish_reason(f.finish_reason);
+            out.push(Out::Bytes(event(&head.chunk(None, false, Some(reason)))));
+            if usage {
+                out.push(Out::Bytes(event(&head.usage_chunk(&f.usage))));
+            }
+            out.push(Out::Bytes(Bytes::from_static(b"data: [DONE]\n\n")));
+            true
+        }
+        Piece::Error(f) => {
+            let status = Refusal::of(f.clone()).status;
+            let kind = if status == StatusCode::BAD_REQUEST {
+                "invalid_request_error"
+            } else {
+                "api_error"
+            };
+            let body = json!({ "error": {
+                "message": f.message, "type": kind, "param": null, "code": null,
+            }});
+            out.push(Out::Bytes(event(&body)));
+            out.push(Out::Fail);
+            true
+        }
+    }
+}
+
+/// The answer as server-sent events: a first chunk with the role, a chunk per piece of
+/// text, a last one with the finish reason, the usage when asked, then `[DONE]`.
+/// Comment lines keep a quiet stream alive.
+fn events(
+    head: Head,
+    first: Piece,
+    rx: mpsc::UnboundedReceiver<Piece>,
+    usage: bool,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    let mut queue = vec![Out::Bytes(event(&head.chunk(None, true, None)))];
+    let over = piece_events(first, &head, usage, &mut queue);
+    queue.reverse();
+    futures::stream::unfold(
+        (queue, over, rx, head),
+        move |(mut queue, mut over, mut rx, head)| async move {
+            loop {
+                match queue.pop() {
+                    Some(Out::Bytes(b)) => return Some((Ok(b), (queue, over, rx, head))),
+                    Some(Out::Fail) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let e = std::io::Error::other("the answer failed");
+                        return Some((Err(e), (Vec::new(), true, rx, head)));
+                    }
+                    None if over => return None,
+                    None => {}
+                }
+                let piece = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => Piece::broken("rank 0's runner stopped before the answer ended"),
+                    Err(_) => Piece::Keepalive,
+                };
+                let mut fresh = Vec::new();
+                over = piece_events(piece, &head, usage, &mut fresh);
+                fresh.reverse();
+                queue = fresh;
+            }
+        },
+    )
+}
+
+/// `GET /v1/models`: every model placed in the cluster or installed on a node.
+pub(crate) async fn models(State(api): State<Api>) -> Response {
+    let status = match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => v,
+        Err(r) => return refused(r),
+    };
+    let mut names: Vec<String> = Vec::new();
+    let instances = status["instances"].as_array().into_iter().flatten();
+    for m in instances.filter_map(|i| i["model"].as_str()) {
+        names.push(m.to_string());
+    }
+    let nodes = status["nodes"].as_array().into_iter().flatten();
+    for n in nodes {
+        for m in n["models"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+        {
+            names.push(m.to_string());
+        }
+    }
+    names.sort();
+    names.dedup();
+    let data: Vec<Value> = names
+        .iter()
+        .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "shoal" }))
+        .collect();
+    Json(json!({ "object": "list", "data": data })).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(body: Value) -> Result<(GenerateRequest, bool, bool), Unsupported> {
+        serde_json::from_value::<ChatRequest>(body)
+            .expect("parses")
+            .into_generate()
+    }
+
+    #[test]
+    fn a_chat_request_becomes_the_runners_request() {
+        let (r, stream, usage) = chat(json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Bye"},
+            ],
+            "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5,
+            "stop": "x", "seed": 3, "stream": true, "stream_options": {"include_usage": true},
+            "n": 1, "user": "u", "response_format": {"type": "text"},
+        }))
+        .expect("accepted");
+        assert!(stream && usage);
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert_eq!(r.max_tokens, 7, "max_completion_tokens wins");
+        assert_eq!((r.temperature, r.top_p, r.seed), (0.0, 0.5, 3));
+        assert_eq!(r.stop, vec!["x".to_string()]);
+        let roles: Vec<&str> = r.messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user"]);
+        assert_eq!(r.messages[1].content, "Hi!");
+        let (r, stream, _) =
+            chat(json!({"model": "m", "messages": [{"role": "user", "content": "a"}]})).unwrap();
+        assert!(!stream);
+        assert_eq!((r.temperature, r.max_tokens), (1.0, DEFAULT_MAX_TOKENS));
+    }
+
+    #[test]
+    fn what_shoal_cannot_honour_is_refused_by_name() {
+        let base = || json!({"model": "m", "messages": [{"role": "user", "content": "a"}]});
+        for (field, value, param) in [
+            ("n", json!(2), "n"),
+            ("presence_penalty", json!(0.5), "presence_penalty"),
+            ("frequency_penalty", json!(0.5), "frequency_penalty"),
+            ("logprobs", json!(true), "logprobs"),
+            (
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}}]),
+                "tools",
+            ),
+            (
+                "response_format",
+                json!({"type": "json_schema"}),
+                "response_format",
+            ),
+            ("temperature", json!(3), "temperature"),
+            ("max_tokens", json!(0), "max_tokens"),
+        ] {
+            let mut b = base();
+            b[field] = value;
+            assert_eq!(chat(b).unwrap_err().param, param);
+        }
+        let mut b = base();
+        b["messages"] = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
+        assert_eq!(chat(b).unwrap_err().param, "messages");
+    }
+
+    #[test]
+    fn wrong_types_and_unknown_fields_do_not_parse() {
+        for body in [
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": "x"}),
+            json!({"model": "m", "messages": [{"role": "user", "content": "a"}], "best_of": 2}),
+            json!({"model": "m", "messages": [{"role": "wizard", "content": "a"}]}),
+            json!({"messages": [{"role": "user", "content": "a"}]}),
+        ] {
+            assert!(serde_json::from_value::<ChatRequest>(body).is_err());
+        }
+    }
+
+    #[test]
+    fn the_stream_ends_with_done_and_usage_when_asked_or_breaks_off_on_failure() {
+        let head = Head::new(Kind::Chat, "m");
+        let mut out = Vec::new();
+        assert!(!piece_events(
+            Piece::Text("a".into()),
+            &head,
+            true,
+            &mut out
+        ));
+        let finish = Finish {
+            finish_reason: FinishReason::Length,
+            usage: Usage {
+                prompt_tokens: 3,
+                cached_tokens: 0,
+                completion_tokens: 2,
+            },
+        };
+        assert!(piece_events(Piece::Done(finish), &head, true, &mut out));
+        let text: Vec<String> = out
+            .iter()
+            .map(|o| match o {
+                Out::Bytes(b) => String::from_utf8_lossy(b).into_owned(),
+                Out::Fail => "FAIL".into(),
+            })
+            .collect();
+        assert!(text[0].contains(r#""content":"a""#));
+        assert!(text[1].contains(r#""finish_reason":"length""#));
+        assert!(text[2].contains(r#""total_tokens":5"#) && text[2].contains(r#""choices":[]"#));
+        assert_eq!(text[3], "data: [DONE]\n\n");
+        let mut out = Vec::new();
+        assert!(piece_events(Piece::broken("gone"), &head, false, &mut out));
+        assert!(
+            matches!(out.last(), Some(Out::Fail)),
+            "no [DONE] after a failure"
+        );
+    }
+}
