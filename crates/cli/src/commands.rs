@@ -213,6 +213,16 @@ struct NodeArgs {
     /// prompt slices whatever they cost.
     #[arg(long, default_value_t = 2.0)]
     gap_bound: f64,
+    /// The key every API request but /health must carry (Bearer or x-api-key). Seen by
+    /// other users in the process list: prefer --api-key-file or SHOAL_API_KEY.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// A file holding the API key.
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
+    /// Serve the API beyond loopback without a key.
+    #[arg(long)]
+    insecure: bool,
 }
 
 #[derive(Args, Debug)]
@@ -569,6 +579,7 @@ fn synth(
 }
 
 fn node(args: NodeArgs) -> Result<()> {
+    let api_key = api_key(&args)?;
     let data_dir = args
         .data_dir
         .unwrap_or_else(|| Store::from_env().home().join("node"));
@@ -584,7 +595,36 @@ fn node(args: NodeArgs) -> Result<()> {
         runner_threads: args.runner_threads,
         max_batch: args.max_batch.max(1),
         gap_bound: args.gap_bound.max(0.0),
+        api_key,
+        insecure: args.insecure,
     })
+}
+
+/// The node's API key: `--api-key`, else `--api-key-file`, else `SHOAL_API_KEY`.
+fn api_key(args: &NodeArgs) -> Result<Option<String>> {
+    let key = match (&args.api_key, &args.api_key_file) {
+        (Some(k), _) => Some(k.clone()),
+        (None, Some(f)) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read the API key file {}", f.display()))?,
+        ),
+        (None, None) => std::env::var("SHOAL_API_KEY").ok(),
+    };
+    let key = key.map(|k| k.trim().to_string());
+    if key.as_deref() == Some("") {
+        bail!("the API key is empty");
+    }
+    Ok(key)
+}
+
+/// A request to a node, with the API key of `SHOAL_API_KEY` when there is one.
+pub(crate) fn keyed<B>(req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+    match std::env::var("SHOAL_API_KEY") {
+        Ok(k) if !k.trim().is_empty() => {
+            req.header("authorization", format!("Bearer {}", k.trim()))
+        }
+        _ => req,
+    }
 }
 
 fn agent() -> ureq::Agent {
@@ -600,15 +640,19 @@ fn agent() -> ureq::Agent {
 fn node_error(status: u16, body: &str) -> anyhow::Error {
     let msg = serde_json::from_str::<serde_json::Value>(body)
         .ok()
-        .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
+        .and_then(|v| {
+            let e = v.get("error")?;
+            e.as_str()
+                .or(e.get("message")?.as_str())
+                .map(str::to_string)
+        })
         .unwrap_or_else(|| body.trim().to_string());
     anyhow::anyhow!("the node answered {status}: {msg}")
 }
 
 fn get_json(node: &str, path: &str) -> Result<serde_json::Value> {
     let url = format!("http://{node}{path}");
-    let resp = agent()
-        .get(&url)
+    let resp = keyed(agent().get(&url))
         .config()
         .timeout_global(Some(Duration::from_secs(30)))
         .build()
@@ -624,8 +668,7 @@ fn get_json(node: &str, path: &str) -> Result<serde_json::Value> {
 
 fn post_json(node: &str, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
     let url = format!("http://{node}{path}");
-    let resp = agent()
-        .post(&url)
+    let resp = keyed(agent().post(&url))
         .config()
         .timeout_global(Some(Duration::from_secs(60)))
         .build()
@@ -775,8 +818,7 @@ fn run_remote(node: &str, args: &RunArgs) -> Result<()> {
         "seed": args.seed,
     });
     let url = format!("http://{node}/v1/run");
-    let resp = agent()
-        .post(&url)
+    let resp = keyed(agent().post(&url))
         .send_json(&body)
         .with_context(|| format!("cannot reach the node at {node}"))?;
     let status = resp.status().as_u16();

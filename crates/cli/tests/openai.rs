@@ -17,7 +17,7 @@ fn the_openai_client_chats_completes_lists_and_is_refused_properly() {
     let Some(bed) = Testbed::for_test(1) else {
         return;
     };
-    let c = serving_one(bed, bin(), MODEL, 2048, &[]);
+    let c = serving_one(bed, bin(), MODEL, 2048, &[], &[]);
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
     let out = c
         .bed
@@ -32,5 +32,70 @@ fn the_openai_client_chats_completes_lists_and_is_refused_properly() {
         out.status.success(),
         "the openai client's checks failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_node_with_an_api_key_refuses_requests_without_it() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    // The node takes its key from SHOAL_API_KEY; the testbed's CLI calls send it too.
+    let key = "k3y-for-the-test";
+    let c = serving_one(bed, bin(), MODEL, 2048, &[], &[("SHOAL_API_KEY", key)]);
+    let check = r#"
+import sys, urllib.request, urllib.error, openai
+base, model, key = sys.argv[1], sys.argv[2], sys.argv[3]
+def status(path, headers):
+    try:
+        return urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=30).status
+    except urllib.error.HTTPError as e:
+        return e.code
+assert status("/health", {}) == 200, "health needs no key"
+assert status("/v1/models", {}) == 401, "no key"
+assert status("/v1/models", {"authorization": "Bearer wrong"}) == 401, "a wrong key"
+assert status("/v1/status", {"x-api-key": key}) == 200, "x-api-key"
+try:
+    openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+    raise SystemExit("a wrong key was accepted")
+except openai.AuthenticationError:
+    pass
+r = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0).chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
+assert r.choices[0].message.content, r
+print("ok")
+"#;
+    let out = c
+        .bed
+        .command(1, "python3")
+        .args(["-c", check, "http://127.0.0.1:52415", MODEL, key])
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The node refuses to serve beyond loopback without a key.
+    let dir = c.nodes[0].dir.join("open");
+    let refused = std::process::Command::new(bin())
+        .args([
+            "node",
+            "--no-mdns",
+            "--listen",
+            "0.0.0.0:0",
+            "--p2p-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(&dir)
+        .env_remove("SHOAL_API_KEY")
+        .output()
+        .expect("run shoal node");
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && stderr.contains("without a key"),
+        "{stderr}"
     );
 }

@@ -31,7 +31,7 @@ fn bin() -> &'static Path {
 /// One node on one host with an instance of the model, ready.
 fn serving(args: &[&str], ctx: usize) -> Option<Cluster> {
     let bed = Testbed::for_test(1)?;
-    Some(serving_one(bed, bin(), MODEL, ctx, args))
+    Some(serving_one(bed, bin(), MODEL, ctx, args, &[]))
 }
 
 /// Sequences the node's rank-0 runner holds: (running, prefilling, waiting).

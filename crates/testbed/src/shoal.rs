@@ -57,10 +57,12 @@ impl Node {
         self.proc = Some(Proc::new(cmd.spawn().expect("start shoal node")));
     }
 
-    /// `shoal …` inside this node's host.
+    /// `shoal` inside this node's host, with the node's environment (so a key the node
+    /// was given in `SHOAL_API_KEY` is the one its CLI sends).
     pub fn command(&self) -> Command {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.ns]).arg(&self.bin);
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         cmd
     }
 
@@ -243,10 +245,14 @@ pub fn serving_one(
     model: &str,
     ctx: usize,
     args: &[&str],
+    env: &[(&str, &str)],
 ) -> Cluster {
     let mut c = Cluster::new(bed, bin);
     install_from_store(bin, model, &c.nodes[0].dir);
     c.nodes[0].args(args);
+    for (k, v) in env {
+        c.nodes[0].env(k, v);
+    }
     c.start();
     let node = &c.nodes[0];
     eventually(Duration::from_secs(30), "the node answers", || {

@@ -41,19 +41,80 @@ pub(crate) struct Api {
     streams: libp2p_stream::Control,
 }
 
+/// The API key, kept as its digest: requests are compared in constant time.
+#[derive(Clone)]
+pub struct ApiKey([u8; 32]);
+
+impl ApiKey {
+    pub fn new(key: String) -> Self {
+        Self(digest(key.trim().as_bytes()))
+    }
+
+    /// Whether `given` is the key, in time independent of where they differ.
+    fn admits(&self, given: &str) -> bool {
+        let d = digest(given.trim().as_bytes());
+        self.0.iter().zip(d).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    }
+}
+
+fn digest(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
+/// The key a request carries: `Authorization: Bearer …` (OpenAI clients) or
+/// `x-api-key: …` (Anthropic clients).
+fn carried(headers: &axum::http::HeaderMap) -> Option<&str> {
+    if let Some(v) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        return v.strip_prefix("Bearer ").or(v.strip_prefix("bearer "));
+    }
+    headers.get("x-api-key").and_then(|v| v.to_str().ok())
+}
+
+async fn authorize(
+    State(key): State<Option<ApiKey>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let open = request.uri().path() == "/health";
+    match &key {
+        Some(k) if !open => match carried(request.headers()) {
+            Some(given) if k.admits(given) => next.run(request).await,
+            given => {
+                let message = if given.is_some() {
+                    "the API key is wrong"
+                } else {
+                    "this node needs an API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+                };
+                let body = json!({ "error": {
+                    "message": message, "type": "authentication_error", "param": null, "code": null,
+                }});
+                (StatusCode::UNAUTHORIZED, Json(body)).into_response()
+            }
+        },
+        _ => next.run(request).await,
+    }
+}
+
 pub async fn serve(
     listener: tokio::net::TcpListener,
     calls: mpsc::Sender<ApiCall>,
     streams: libp2p_stream::Control,
+    key: Option<ApiKey>,
 ) {
     let app = Router::new()
+        .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
         .route("/v1/status", get(status))
         .route("/v1/place", post(place))
         .route("/v1/run", post(run))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
-        .with_state(Api { calls, streams });
+        .with_state(Api { calls, streams })
+        .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
     }

@@ -74,6 +74,11 @@ pub struct NodeConfig {
     pub max_batch: usize,
     /// Rank 0's bound on a step beside streams, in decode steps.
     pub gap_bound: f64,
+    /// The key every HTTP request but `/health` must carry; `None`: open (loopback only,
+    /// unless the user said `--insecure`).
+    pub api_key: Option<String>,
+    /// Serve the API beyond loopback without a key.
+    pub insecure: bool,
 }
 
 const TICK: Duration = Duration::from_millis(250);
@@ -222,6 +227,13 @@ pub async fn run(config: NodeConfig) -> Result<()> {
     let store = Store::new(config.data_dir.clone()).with_pip_args(shoal_store::pip_args_from_env());
     let state = load_snapshot(&config.data_dir).unwrap_or_default();
     let (api_tx, mut api_rx) = mpsc::channel::<ApiCall>(64);
+    if config.api_key.is_none() && !config.http.ip().is_loopback() && !config.insecure {
+        anyhow::bail!(
+            "refusing to serve the API on {} without a key: give --api-key-file (or \
+             SHOAL_API_KEY), or --insecure to serve it open",
+            config.http
+        );
+    }
     let http_listener = tokio::net::TcpListener::bind(config.http)
         .await
         .with_context(|| format!("cannot listen on {}", config.http))?;
@@ -233,7 +245,13 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         .context("model file protocol")?;
     tokio::spawn(crate::forward::serve(generate, api_tx.clone()));
     tokio::spawn(fetch::serve(files, store.clone()));
-    tokio::spawn(crate::api::serve(http_listener, api_tx, streams.clone()));
+    let key = config.api_key.clone().map(crate::api::ApiKey::new);
+    tokio::spawn(crate::api::serve(
+        http_listener,
+        api_tx,
+        streams.clone(),
+        key,
+    ));
     let (reports_tx, mut reports_rx) = mpsc::channel(256);
     let (fetch_tx, mut fetch_rx) = mpsc::channel(64);
     let (gpu_tx, mut gpu_rx) = mpsc::channel::<Option<Gpu>>(4);
