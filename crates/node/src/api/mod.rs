@@ -29,6 +29,7 @@ use crate::daemon::{ApiCall, Route, RouteError};
 use crate::supervisor::{Failure, Job, Piece};
 use shoal_runner::control::{ErrorKind, GenerateRequest};
 
+mod anthropic;
 mod openai;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
@@ -113,6 +114,7 @@ pub async fn serve(
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/messages", post(anthropic::messages))
         .with_state(Api { calls, streams })
         .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
@@ -349,4 +351,50 @@ fn answer_lines(
             Next::End => Some((Ok(line(json!({ "done": true }))), (At::Over, rx))),
         }
     })
+}
+
+/// What a server-sent event stream writes next.
+pub(crate) enum Out {
+    Bytes(Bytes),
+    /// Break the body off (after a pause, so the error event leaves hyper's buffer): the
+    /// client sees a failed transfer, never a finished answer.
+    Fail,
+}
+
+/// An answer as server-sent events: `start` first (over when it ended the answer), then
+/// what `on_piece` makes of each piece until it says the answer is over; a keepalive
+/// piece after a second of quiet, a failure when the runner's end closes early.
+pub(crate) fn event_stream(
+    mut start: Vec<Out>,
+    over: bool,
+    rx: mpsc::UnboundedReceiver<Piece>,
+    on_piece: impl Fn(Piece, &mut Vec<Out>) -> bool + Send + 'static,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    start.reverse();
+    futures::stream::unfold(
+        (start, over, rx, on_piece),
+        |(mut queue, mut over, mut rx, on_piece)| async move {
+            loop {
+                match queue.pop() {
+                    Some(Out::Bytes(b)) => return Some((Ok(b), (queue, over, rx, on_piece))),
+                    Some(Out::Fail) => {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let e = std::io::Error::other("the answer failed");
+                        return Some((Err(e), (Vec::new(), true, rx, on_piece)));
+                    }
+                    None if over => return None,
+                    None => {}
+                }
+                let piece = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
+                    Ok(Some(p)) => p,
+                    Ok(None) => Piece::broken("rank 0's runner stopped before the answer ended"),
+                    Err(_) => Piece::Keepalive,
+                };
+                let mut fresh = Vec::new();
+                over = on_piece(piece, &mut fresh);
+                fresh.reverse();
+                queue = fresh;
+            }
+        },
+    )
 }

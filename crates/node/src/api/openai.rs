@@ -10,7 +10,7 @@
 //! one `data: {"error": …}` event, then the body is broken off (no `[DONE]`), so a
 //! client never takes a cut answer for a whole one.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::{Body, Bytes};
@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, Usage};
 use tokio::sync::mpsc;
 
-use super::{Api, KEEPALIVE, Refusal, ask, submit};
+use super::{Api, Out, Refusal, ask, event_stream, submit};
 use crate::daemon::ApiCall;
 use crate::supervisor::{Finish, Piece};
 
@@ -554,13 +554,6 @@ fn event(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-/// What the event stream writes next.
-enum Out {
-    Bytes(Bytes),
-    /// Break the body off (after a pause, so the error event leaves hyper's buffer).
-    Fail,
-}
-
 /// The events one piece of the answer makes; true when the answer is over.
 fn piece_events(piece: Piece, head: &Head, usage: bool, out: &mut Vec<Out>) -> bool {
     match piece {
@@ -607,35 +600,11 @@ fn events(
     rx: mpsc::UnboundedReceiver<Piece>,
     usage: bool,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
-    let mut queue = vec![Out::Bytes(event(&head.chunk(None, true, None)))];
-    let over = piece_events(first, &head, usage, &mut queue);
-    queue.reverse();
-    futures::stream::unfold(
-        (queue, over, rx, head),
-        move |(mut queue, mut over, mut rx, head)| async move {
-            loop {
-                match queue.pop() {
-                    Some(Out::Bytes(b)) => return Some((Ok(b), (queue, over, rx, head))),
-                    Some(Out::Fail) => {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        let e = std::io::Error::other("the answer failed");
-                        return Some((Err(e), (Vec::new(), true, rx, head)));
-                    }
-                    None if over => return None,
-                    None => {}
-                }
-                let piece = match tokio::time::timeout(KEEPALIVE, rx.recv()).await {
-                    Ok(Some(p)) => p,
-                    Ok(None) => Piece::broken("rank 0's runner stopped before the answer ended"),
-                    Err(_) => Piece::Keepalive,
-                };
-                let mut fresh = Vec::new();
-                over = piece_events(piece, &head, usage, &mut fresh);
-                fresh.reverse();
-                queue = fresh;
-            }
-        },
-    )
+    let mut start = vec![Out::Bytes(event(&head.chunk(None, true, None)))];
+    let over = piece_events(first, &head, usage, &mut start);
+    event_stream(start, over, rx, move |p, out| {
+        piece_events(p, &head, usage, out)
+    })
 }
 
 /// `GET /v1/models`: every model placed in the cluster or installed on a node.

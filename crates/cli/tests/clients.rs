@@ -1,7 +1,8 @@
-//! The official `openai` Python client against a node on a host of its own: chat streamed
-//! and not, completions, models, and bad requests (OpenAI's error shape, the right
-//! status, the instance still serving). The checks are in `clients/openai_client.py`;
-//! `.ci/run` installs the client, pinned.
+//! The official Python clients against a node on a host of its own: `openai` (chat
+//! streamed and not, completions, models) and `anthropic` (messages streamed and not),
+//! and bad requests (each protocol's error shape, the right status, the instance still
+//! serving); API keys. The checks are in `clients/*.py`; `.ci/run` installs the clients,
+//! pinned.
 
 use shoal_testbed::{Testbed, serving_one};
 use std::path::Path;
@@ -13,26 +14,33 @@ fn bin() -> &'static Path {
 }
 
 #[test]
-fn the_openai_client_chats_completes_lists_and_is_refused_properly() {
+fn the_openai_and_anthropic_clients_are_answered_and_refused_properly() {
     let Some(bed) = Testbed::for_test(1) else {
         return;
     };
     let c = serving_one(bed, bin(), MODEL, 2048, &[], &[]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_client.py");
-    let out = c
-        .bed
-        .command(1, "python3")
-        .arg(&script)
-        .args(["http://127.0.0.1:52415/v1", MODEL])
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "the openai client's checks failed:\n{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    for (client, base) in [
+        ("openai_client.py", "http://127.0.0.1:52415/v1"),
+        ("anthropic_client.py", "http://127.0.0.1:52415"),
+    ] {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/clients")
+            .join(client);
+        let out = c
+            .bed
+            .command(1, "python3")
+            .arg(&script)
+            .args([base, MODEL])
+            .output()
+            .expect("run python3");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        println!("{stdout}");
+        assert!(
+            out.status.success(),
+            "{client}'s checks failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]
