@@ -1,5 +1,6 @@
 //! The official Python clients against a node on a host of its own: `openai` (chat
-//! streamed and not, completions, models) and `anthropic` (messages streamed and not),
+//! streamed and not, completions, models), `anthropic` (messages streamed and not) and
+//! `ollama` (chat, generate, tags),
 //! and bad requests (each protocol's error shape, the right status, the instance still
 //! serving); API keys. The checks are in `clients/*.py`; `.ci/run` installs the clients,
 //! pinned.
@@ -14,7 +15,7 @@ fn bin() -> &'static Path {
 }
 
 #[test]
-fn the_openai_and_anthropic_clients_are_answered_and_refused_properly() {
+fn the_openai_anthropic_and_ollama_clients_are_answered_and_refused_properly() {
     let Some(bed) = Testbed::for_test(1) else {
         return;
     };
@@ -22,6 +23,7 @@ fn the_openai_and_anthropic_clients_are_answered_and_refused_properly() {
     for (client, base) in [
         ("openai_client.py", "http://127.0.0.1:52415/v1"),
         ("anthropic_client.py", "http://127.0.0.1:52415"),
+        ("ollama_client.py", "http://127.0.0.1:52415"),
     ] {
         let script = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/clients")

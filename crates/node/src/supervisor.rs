@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::RunnerStatus;
 use shoal_runner::control::{
-    ErrorKind, FinishReason, FromRunner, GenerateRequest, ToRunner, Usage,
+    ErrorKind, FinishReason, FromRunner, GenerateRequest, Timings, ToRunner, Usage,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
@@ -78,6 +78,7 @@ pub enum Piece {
 pub struct Finish {
     pub finish_reason: FinishReason,
     pub usage: Usage,
+    pub timings: Timings,
 }
 
 /// Why an answer failed: the kind decides the status code a client sees.
@@ -318,7 +319,7 @@ async fn supervise(
                         continue;
                     }
                     FromRunner::Text { id, text } => (id, Piece::Text(text)),
-                    FromRunner::Done { id, finish_reason, usage, .. } => (id, Piece::Done(Finish { finish_reason, usage })),
+                    FromRunner::Done { id, finish_reason, usage, timings } => (id, Piece::Done(Finish { finish_reason, usage, timings })),
                     FromRunner::Error { id, kind, message } => (id, Piece::Error(Failure { kind, message })),
                 };
                 last_progress = Instant::now();

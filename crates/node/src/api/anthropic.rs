@@ -411,6 +411,7 @@ mod tests {
                 cached_tokens: 1,
                 completion_tokens: 2,
             },
+            timings: Default::default(),
         };
         assert!(piece_events(Piece::Done(f), &mut out));
         let text: Vec<String> = out

@@ -30,6 +30,7 @@ use crate::supervisor::{Failure, Job, Piece};
 use shoal_runner::control::{ErrorKind, GenerateRequest};
 
 mod anthropic;
+mod ollama;
 mod openai;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
@@ -115,6 +116,10 @@ pub async fn serve(
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/version", get(ollama::version))
         .with_state(Api { calls, streams })
         .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
@@ -397,4 +402,22 @@ pub(crate) fn event_stream(
             }
         },
     )
+}
+
+/// Every model placed in the cluster or installed on a node, from the node's status.
+pub(crate) fn models_of(status: &Value) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    let instances = status["instances"].as_array().into_iter().flatten();
+    names.extend(
+        instances
+            .filter_map(|i| i["model"].as_str())
+            .map(str::to_string),
+    );
+    for n in status["nodes"].as_array().into_iter().flatten() {
+        let models = n["models"].as_array().into_iter().flatten();
+        names.extend(models.filter_map(Value::as_str).map(str::to_string));
+    }
+    names.sort();
+    names.dedup();
+    names
 }

@@ -613,24 +613,7 @@ pub(crate) async fn models(State(api): State<Api>) -> Response {
         Ok(v) => v,
         Err(r) => return refused(r),
     };
-    let mut names: Vec<String> = Vec::new();
-    let instances = status["instances"].as_array().into_iter().flatten();
-    for m in instances.filter_map(|i| i["model"].as_str()) {
-        names.push(m.to_string());
-    }
-    let nodes = status["nodes"].as_array().into_iter().flatten();
-    for n in nodes {
-        for m in n["models"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(Value::as_str)
-        {
-            names.push(m.to_string());
-        }
-    }
-    names.sort();
-    names.dedup();
+    let names = super::models_of(&status);
     let data: Vec<Value> = names
         .iter()
         .map(|m| json!({ "id": m, "object": "model", "created": 0, "owned_by": "shoal" }))
@@ -736,6 +719,7 @@ mod tests {
                 cached_tokens: 0,
                 completion_tokens: 2,
             },
+            timings: Default::default(),
         };
         assert!(piece_events(Piece::Done(finish), &head, true, &mut out));
         let text: Vec<String> = out

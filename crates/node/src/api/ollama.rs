@@ -1,0 +1,471 @@
+//! The Ollama protocol on the serving core, at the paths its clients expect:
+//! `POST /api/chat`, `POST /api/generate` (NDJSON streams by default, the last object with
+//! `done_reason` and the nanosecond durations; or one object with `"stream": false}`),
+//! `GET /api/tags`, `GET /api/version`.
+//!
+//! Requests are typed (wrong types are 400s; the fields Ollama's clients send are
+//! accepted, others refused); `options` carries the sampling parameters. What shoal
+//! cannot honour yet (tools, `format`, images) is refused by name. Errors are Ollama's
+//! `{"error": "…"}`; a failure mid-stream is an `{"error": …}` line, then the body breaks
+//! off without a `done` object.
+
+use axum::Json;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest};
+
+use super::{Api, Out, Refusal, ask, event_stream, submit};
+use crate::daemon::ApiCall;
+use crate::supervisor::{Finish, Piece};
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ChatRequest {
+    model: String,
+    messages: Vec<Message>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    options: Option<Options>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    format: Option<Value>,
+    /// Accepted and not used: how long Ollama keeps a model loaded (shoal's instances
+    /// stay until deleted).
+    #[serde(default)]
+    #[allow(dead_code)]
+    keep_alive: Option<Value>,
+    #[serde(default)]
+    think: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GenerateBody {
+    model: String,
+    #[serde(default)]
+    prompt: String,
+    #[serde(default)]
+    system: Option<String>,
+    #[serde(default)]
+    raw: bool,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    options: Option<Options>,
+    #[serde(default)]
+    format: Option<Value>,
+    #[serde(default)]
+    images: Option<Vec<Value>>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    keep_alive: Option<Value>,
+    #[serde(default)]
+    think: Option<Value>,
+    /// Accepted and not used: Ollama's templating and suffix fields when empty.
+    #[serde(default)]
+    template: Option<String>,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default)]
+    context: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Message {
+    role: String,
+    #[serde(default)]
+    content: String,
+    #[serde(default)]
+    images: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<Value>>,
+}
+
+/// Ollama's model options; the ones shoal does not use are accepted and ignored only
+/// when they are about loading (context size, threads, GPU layers), which placement
+/// decides here.
+#[derive(Debug, Default, Deserialize)]
+struct Options {
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<usize>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repeat_penalty: Option<f32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    num_predict: Option<i64>,
+    #[serde(default)]
+    stop: Option<Vec<String>>,
+    #[serde(flatten)]
+    #[allow(dead_code)]
+    rest: serde_json::Map<String, Value>,
+}
+
+/// A request shoal cannot take.
+#[derive(Debug, PartialEq)]
+pub(crate) struct Unsupported(pub String);
+
+fn apply(options: Option<Options>, r: &mut GenerateRequest) -> Result<(), Unsupported> {
+    let o = options.unwrap_or_default();
+    // Ollama's defaults: temperature 0.8, top_k 40, top_p 0.9, 128 tokens (-1: the room).
+    r.temperature = o.temperature.unwrap_or(0.8).max(0.0);
+    r.top_k = o.top_k.unwrap_or(40);
+    r.top_p = o.top_p.unwrap_or(0.9);
+    if !(r.top_p > 0.0 && r.top_p <= 1.0) {
+        return Err(Unsupported("top_p must be within (0, 1]".into()));
+    }
+    r.min_p = o.min_p.unwrap_or(0.0);
+    r.repetition_penalty = o.repeat_penalty.unwrap_or(1.0);
+    r.seed = o.seed.unwrap_or(0);
+    r.max_tokens = match o.num_predict {
+        None => 128,
+        Some(n) if n < 0 => usize::MAX / 2,
+        Some(0) => return Err(Unsupported("num_predict must not be 0".into())),
+        Some(n) => n as usize,
+    };
+    r.stop = o.stop.unwrap_or_default();
+    Ok(())
+}
+
+impl ChatRequest {
+    pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool), Unsupported> {
+        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+            return Err(Unsupported("tools are not supported yet".into()));
+        }
+        if self
+            .format
+            .as_ref()
+            .is_some_and(|f| !f.is_null() && f != "")
+        {
+            return Err(Unsupported(
+                "format (JSON output) is not supported yet".into(),
+            ));
+        }
+        if self
+            .think
+            .as_ref()
+            .is_some_and(|t| t != &Value::Bool(false) && !t.is_null())
+        {
+            return Err(Unsupported("think is not supported".into()));
+        }
+        if self.messages.is_empty() {
+            return Err(Unsupported("messages must not be empty".into()));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for m in self.messages {
+            if m.images.as_ref().is_some_and(|i| !i.is_empty()) {
+                return Err(Unsupported("images are not supported".into()));
+            }
+            if m.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) {
+                return Err(Unsupported("tool calls are not supported yet".into()));
+            }
+            if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
+                return Err(Unsupported(format!("unknown role {:?}", m.role)));
+            }
+            messages.push(ChatMessage::new(m.role, m.content));
+        }
+        let mut r = GenerateRequest::new("");
+        r.messages = messages;
+        r.model = Some(self.model);
+        apply(self.options, &mut r)?;
+        Ok((r, self.stream.unwrap_or(true)))
+    }
+}
+
+impl GenerateBody {
+    pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool), Unsupported> {
+        if self.images.as_ref().is_some_and(|i| !i.is_empty()) {
+            return Err(Unsupported("images are not supported".into()));
+        }
+        if self
+            .format
+            .as_ref()
+            .is_some_and(|f| !f.is_null() && f != "")
+        {
+            return Err(Unsupported(
+                "format (JSON output) is not supported yet".into(),
+            ));
+        }
+        if self
+            .think
+            .as_ref()
+            .is_some_and(|t| t != &Value::Bool(false) && !t.is_null())
+        {
+            return Err(Unsupported("think is not supported".into()));
+        }
+        if self.template.as_deref().is_some_and(|t| !t.is_empty())
+            || self.suffix.as_deref().is_some_and(|s| !s.is_empty())
+            || self.context.as_ref().is_some_and(|c| !c.is_empty())
+        {
+            return Err(Unsupported(
+                "template, suffix and context are not supported".into(),
+            ));
+        }
+        if self.prompt.is_empty() {
+            return Err(Unsupported("prompt must not be empty".into()));
+        }
+        let mut r = GenerateRequest::new(self.prompt);
+        r.raw = self.raw;
+        r.system = self.system;
+        r.model = Some(self.model);
+        apply(self.options, &mut r)?;
+        Ok((r, self.stream.unwrap_or(true)))
+    }
+}
+
+fn ollama_error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({ "error": message }))).into_response()
+}
+
+/// Reads a body, or answers Ollama's 400.
+fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Refusal> {
+    serde_json::from_slice(body).map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))
+}
+
+fn created_at() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // RFC 3339 in UTC from the Unix time (days to a civil date, Howard Hinnant's way).
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Which endpoint an answer is for: chat answers carry a message, generate a response.
+#[derive(Clone)]
+struct Head {
+    chat: bool,
+    model: String,
+}
+
+impl Head {
+    fn piece(&self, text: &str) -> Value {
+        let mut v = json!({ "model": self.model, "created_at": created_at(), "done": false });
+        if self.chat {
+            v["message"] = json!({ "role": "assistant", "content": text });
+        } else {
+            v["response"] = json!(text);
+        }
+        v
+    }
+
+    fn last(&self, text: &str, f: &Finish) -> Value {
+        let mut v = self.piece(text);
+        let ns = |ms: f64| (ms * 1e6) as u64;
+        let t = &f.timings;
+        let obj = v.as_object_mut().expect("an object");
+        obj.insert("done".into(), json!(true));
+        obj.insert(
+            "done_reason".into(),
+            json!(match f.finish_reason {
+                FinishReason::Length => "length",
+                FinishReason::Stop | FinishReason::Cancelled => "stop",
+            }),
+        );
+        obj.insert(
+            "total_duration".into(),
+            json!(ns(t.queued_ms + t.prefill_ms + t.decode_ms)),
+        );
+        obj.insert("load_duration".into(), json!(0));
+        obj.insert("prompt_eval_count".into(), json!(f.usage.prompt_tokens));
+        obj.insert("prompt_eval_duration".into(), json!(ns(t.prefill_ms)));
+        obj.insert("eval_count".into(), json!(f.usage.completion_tokens));
+        obj.insert("eval_duration".into(), json!(ns(t.decode_ms)));
+        v
+    }
+}
+
+fn line(v: &Value) -> Bytes {
+    Bytes::from(format!("{v}\n"))
+}
+
+fn piece_lines(piece: Piece, head: &Head, out: &mut Vec<Out>) -> bool {
+    match piece {
+        Piece::Text(t) => {
+            out.push(Out::Bytes(line(&head.piece(&t))));
+            false
+        }
+        // NDJSON has no comments; an empty piece keeps the stream alive.
+        Piece::Keepalive => {
+            out.push(Out::Bytes(line(&head.piece(""))));
+            false
+        }
+        Piece::Done(f) => {
+            out.push(Out::Bytes(line(&head.last("", &f))));
+            true
+        }
+        Piece::Error(f) => {
+            out.push(Out::Bytes(line(&json!({ "error": f.message }))));
+            out.push(Out::Fail);
+            true
+        }
+    }
+}
+
+pub(crate) async fn chat(State(api): State<Api>, body: Bytes) -> Response {
+    let parsed: ChatRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    let head = Head {
+        chat: true,
+        model: parsed.model.clone(),
+    };
+    match parsed.into_generate() {
+        Ok((r, stream)) => answer(&api, head, r, stream).await,
+        Err(Unsupported(why)) => ollama_error(StatusCode::BAD_REQUEST, &why),
+    }
+}
+
+pub(crate) async fn generate(State(api): State<Api>, body: Bytes) -> Response {
+    let parsed: GenerateBody = match parse(&body) {
+        Ok(r) => r,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    let head = Head {
+        chat: false,
+        model: parsed.model.clone(),
+    };
+    match parsed.into_generate() {
+        Ok((r, stream)) => answer(&api, head, r, stream).await,
+        Err(Unsupported(why)) => ollama_error(StatusCode::BAD_REQUEST, &why),
+    }
+}
+
+async fn answer(api: &Api, head: Head, request: GenerateRequest, stream: bool) -> Response {
+    let (first, mut rx) = match submit(api, request).await {
+        Ok(a) => a,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    if stream {
+        let mut start = Vec::new();
+        let over = piece_lines(first, &head, &mut start);
+        return Response::builder()
+            .header(header::CONTENT_TYPE, "application/x-ndjson")
+            .body(Body::from_stream(event_stream(
+                start,
+                over,
+                rx,
+                move |p, out| piece_lines(p, &head, out),
+            )))
+            .unwrap_or_else(|_| ollama_error(StatusCode::INTERNAL_SERVER_ERROR, "response"));
+    }
+    let mut text = String::new();
+    let mut piece = Some(first);
+    loop {
+        match piece {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::Keepalive) => {}
+            Some(Piece::Done(f)) => return Json(head.last(&text, &f)).into_response(),
+            Some(Piece::Error(f)) => {
+                let r = Refusal::of(f);
+                return ollama_error(r.status, &r.message);
+            }
+            None => {
+                return ollama_error(
+                    StatusCode::BAD_GATEWAY,
+                    "rank 0's runner stopped before the answer ended",
+                );
+            }
+        }
+        piece = rx.recv().await;
+    }
+}
+
+/// `GET /api/tags`: every model placed in the cluster or installed on a node.
+pub(crate) async fn tags(State(api): State<Api>) -> Response {
+    let status = match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => v,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    let models: Vec<Value> = super::models_of(&status)
+        .iter()
+        .map(|m| {
+            json!({ "name": m, "model": m, "modified_at": "1970-01-01T00:00:00Z", "size": 0,
+                "digest": "", "details": { "format": "gguf" } })
+        })
+        .collect();
+    Json(json!({ "models": models })).into_response()
+}
+
+/// `GET /api/version`.
+pub(crate) async fn version() -> Response {
+    Json(json!({ "version": env!("CARGO_PKG_VERSION") })).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chat_request_takes_ollamas_defaults_and_options() {
+        let c: ChatRequest = serde_json::from_value(json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "options": {"temperature": 0, "num_predict": 9, "stop": ["x"], "num_ctx": 4096},
+            "keep_alive": "5m", "tools": null, "format": null,
+        }))
+        .unwrap();
+        let (r, stream) = c.into_generate().unwrap();
+        assert!(stream, "Ollama streams by default");
+        assert_eq!((r.temperature, r.max_tokens, r.top_k), (0.0, 9, 40));
+        assert_eq!(r.stop, vec!["x".to_string()]);
+        let g: GenerateBody =
+            serde_json::from_value(json!({"model": "m", "prompt": "p", "stream": false})).unwrap();
+        let (r, stream) = g.into_generate().unwrap();
+        assert!(!stream);
+        assert_eq!((r.temperature, r.max_tokens), (0.8, 128));
+    }
+
+    #[test]
+    fn what_shoal_cannot_take_is_refused() {
+        let c: ChatRequest = serde_json::from_value(json!({
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        }))
+        .unwrap();
+        assert!(c.into_generate().is_err());
+        assert!(
+            serde_json::from_value::<ChatRequest>(json!({"model": "m", "messages": [], "n": 2}))
+                .is_err()
+        );
+        assert!(
+            serde_json::from_value::<GenerateBody>(json!({"model": "m", "prompt": 5})).is_err()
+        );
+    }
+
+    #[test]
+    fn created_at_is_rfc3339() {
+        let t = created_at();
+        assert_eq!(t.len(), 20, "{t}");
+        assert!(
+            t.starts_with("20") && t.ends_with('Z') && &t[10..11] == "T",
+            "{t}"
+        );
+    }
+}
