@@ -43,6 +43,52 @@ fn the_openai_anthropic_and_ollama_clients_are_answered_and_refused_properly() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // What they asked is counted, in a form Prometheus' own checker accepts.
+    let metrics = c
+        .bed
+        .command(1, "curl")
+        .args(["-sf", "http://127.0.0.1:52415/metrics"])
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    assert!(
+        text.contains(r#"shoal_answers_total{model="smollm2-135m",outcome="done"}"#)
+            && text.contains("shoal_generated_tokens_total")
+            && text.contains("shoal_time_to_first_token_seconds_bucket"),
+        "{text}"
+    );
+    let promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .output_with_stdin(&metrics.stdout);
+    assert!(
+        promtool.status.success(),
+        "promtool: {}",
+        String::from_utf8_lossy(&promtool.stdout)
+    );
+}
+
+/// Runs a command with `input` on its standard input.
+trait WithStdin {
+    fn output_with_stdin(&mut self, input: &[u8]) -> std::process::Output;
+}
+
+impl WithStdin for std::process::Command {
+    fn output_with_stdin(&mut self, input: &[u8]) -> std::process::Output {
+        use std::io::Write;
+        let mut child = self
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start promtool (Debian's prometheus package)");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input)
+            .expect("write");
+        child.wait_with_output().expect("wait")
+    }
 }
 
 #[test]

@@ -30,6 +30,7 @@ use crate::supervisor::{Failure, Job, Piece};
 use shoal_runner::control::{ErrorKind, GenerateRequest};
 
 mod anthropic;
+mod metrics;
 mod ollama;
 mod openai;
 
@@ -39,6 +40,7 @@ const KEEPALIVE: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 pub(crate) struct Api {
+    metrics: std::sync::Arc<metrics::Metrics>,
     calls: mpsc::Sender<ApiCall>,
     streams: libp2p_stream::Control,
 }
@@ -120,7 +122,12 @@ pub async fn serve(
         .route("/api/generate", post(ollama::generate))
         .route("/api/tags", get(ollama::tags))
         .route("/api/version", get(ollama::version))
-        .with_state(Api { calls, streams })
+        .route("/metrics", get(metrics::metrics))
+        .with_state(Api {
+            calls,
+            streams,
+            metrics: Default::default(),
+        })
         .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
@@ -194,13 +201,14 @@ pub(crate) async fn submit(
     request: GenerateRequest,
 ) -> Result<(Piece, mpsc::UnboundedReceiver<Piece>), Refusal> {
     let model = request.model.clone();
+    let mut watch = metrics::Watch::new(api.metrics.clone(), model.as_deref());
     let route = ask(&api.calls, |reply| ApiCall::Route {
         model,
         local_only: false,
         reply,
     })
     .await?;
-    let mut rx = match route {
+    let mut answer = match route {
         Ok(Route::Local(jobs)) => {
             let (tx, rx) = mpsc::unbounded_channel();
             if jobs.send(Job { request, reply: tx }).await.is_err() {
@@ -219,6 +227,26 @@ pub(crate) async fn submit(
             return Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()));
         }
     };
+    // Every piece passes the metrics on its way; a client that goes away closes this end,
+    // and the answer's own channel with it (so its runner cancels).
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                p = answer.recv() => match p {
+                    Some(p) => {
+                        watch.saw(&p);
+                        let end = p.ends();
+                        if tx.send(p).is_err() || end {
+                            return;
+                        }
+                    }
+                    None => return,
+                },
+                _ = tx.closed() => return,
+            }
+        }
+    });
     match rx.recv().await {
         Some(Piece::Error(f)) => Err(Refusal::of(f)),
         None => Err(Refusal::new(
