@@ -17,7 +17,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, Usage};
 
-use super::{Api, Out, Refusal, event_stream, submit};
+use super::{Api, Out, Refusal, collect, event_stream, response_id, submit};
 use crate::supervisor::{Finish, Piece};
 
 /// `POST /v1/messages`.
@@ -203,17 +203,6 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-fn message_id() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-    );
-    format!("msg_{:016x}", h.finish())
-}
-
 pub(crate) async fn messages(State(api): State<Api>, body: Bytes) -> Response {
     let request: MessagesRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
@@ -236,11 +225,11 @@ pub(crate) async fn messages(State(api): State<Api>, body: Bytes) -> Response {
             );
         }
     };
-    let (first, mut rx) = match submit(&api, request).await {
+    let (first, rx) = match submit(&api, request).await {
         Ok(a) => a,
         Err(r) => return anthropic_error(r.status, &r.message),
     };
-    let id = message_id();
+    let id = response_id("msg");
     if stream {
         let start = json!({ "type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
@@ -263,25 +252,9 @@ pub(crate) async fn messages(State(api): State<Api>, body: Bytes) -> Response {
             .body(Body::from_stream(event_stream(out, over, rx, piece_events)))
             .unwrap_or_else(|_| anthropic_error(StatusCode::INTERNAL_SERVER_ERROR, "response"));
     }
-    let mut text = String::new();
-    let mut piece = Some(first);
-    loop {
-        match piece {
-            Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Keepalive) => {}
-            Some(Piece::Done(f)) => return Json(whole(&id, &model, &text, &f)).into_response(),
-            Some(Piece::Error(f)) => {
-                let r = Refusal::of(f);
-                return anthropic_error(r.status, &r.message);
-            }
-            None => {
-                return anthropic_error(
-                    StatusCode::BAD_GATEWAY,
-                    "rank 0's runner stopped before the answer ended",
-                );
-            }
-        }
-        piece = rx.recv().await;
+    match collect(first, rx).await {
+        Ok((text, f)) => Json(whole(&id, &model, &text, &f)).into_response(),
+        Err(r) => anthropic_error(r.status, &r.message),
     }
 }
 

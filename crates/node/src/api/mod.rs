@@ -449,3 +449,39 @@ pub(crate) fn models_of(status: &Value) -> Vec<String> {
     names.dedup();
     names
 }
+
+/// A whole answer, for the protocols' non-streamed bodies: its text and how it ended.
+pub(crate) async fn collect(
+    first: Piece,
+    mut rx: mpsc::UnboundedReceiver<Piece>,
+) -> Result<(String, crate::supervisor::Finish), Refusal> {
+    let mut text = String::new();
+    let mut piece = Some(first);
+    loop {
+        match piece {
+            Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::Keepalive) => {}
+            Some(Piece::Done(finish)) => return Ok((text, finish)),
+            Some(Piece::Error(f)) => return Err(Refusal::of(f)),
+            None => {
+                return Err(Refusal::new(
+                    StatusCode::BAD_GATEWAY,
+                    "rank 0's runner stopped before the answer ended",
+                ));
+            }
+        }
+        piece = rx.recv().await;
+    }
+}
+
+/// An id unique enough for a response (not a secret): `prefix` and 16 hex digits.
+pub(crate) fn response_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("{prefix}-{:016x}", h.finish())
+}

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest};
 
-use super::{Api, Out, Refusal, ask, event_stream, submit};
+use super::{Api, Out, Refusal, ask, collect, event_stream, submit};
 use crate::daemon::ApiCall;
 use crate::supervisor::{Finish, Piece};
 
@@ -359,7 +359,7 @@ pub(crate) async fn generate(State(api): State<Api>, body: Bytes) -> Response {
 }
 
 async fn answer(api: &Api, head: Head, request: GenerateRequest, stream: bool) -> Response {
-    let (first, mut rx) = match submit(api, request).await {
+    let (first, rx) = match submit(api, request).await {
         Ok(a) => a,
         Err(r) => return ollama_error(r.status, &r.message),
     };
@@ -376,25 +376,9 @@ async fn answer(api: &Api, head: Head, request: GenerateRequest, stream: bool) -
             )))
             .unwrap_or_else(|_| ollama_error(StatusCode::INTERNAL_SERVER_ERROR, "response"));
     }
-    let mut text = String::new();
-    let mut piece = Some(first);
-    loop {
-        match piece {
-            Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Keepalive) => {}
-            Some(Piece::Done(f)) => return Json(head.last(&text, &f)).into_response(),
-            Some(Piece::Error(f)) => {
-                let r = Refusal::of(f);
-                return ollama_error(r.status, &r.message);
-            }
-            None => {
-                return ollama_error(
-                    StatusCode::BAD_GATEWAY,
-                    "rank 0's runner stopped before the answer ended",
-                );
-            }
-        }
-        piece = rx.recv().await;
+    match collect(first, rx).await {
+        Ok((text, f)) => Json(head.last(&text, &f)).into_response(),
+        Err(r) => ollama_error(r.status, &r.message),
     }
 }
 

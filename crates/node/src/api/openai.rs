@@ -22,7 +22,7 @@ use serde_json::{Value, json};
 use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, Usage};
 use tokio::sync::mpsc;
 
-use super::{Api, Out, Refusal, ask, event_stream, submit};
+use super::{Api, Out, Refusal, ask, collect, event_stream, response_id, submit};
 use crate::daemon::ApiCall;
 use crate::supervisor::{Finish, Piece};
 
@@ -407,7 +407,7 @@ impl Head {
         };
         Self {
             kind,
-            id: format!("{prefix}-{:016x}", rand_id()),
+            id: response_id(prefix),
             model: model.to_string(),
             created: now(),
         }
@@ -471,18 +471,6 @@ impl Head {
     }
 }
 
-/// An id unique enough for a response (not a secret).
-fn rand_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    h.finish()
-}
-
 pub(crate) async fn chat_completions(State(api): State<Api>, body: Bytes) -> Response {
     let request: ChatRequest = match parse(&body) {
         Ok(r) => r,
@@ -529,24 +517,9 @@ async fn answer(
             .body(Body::from_stream(events(head, first, rx, usage)))
             .unwrap_or_else(|_| openai_error(StatusCode::INTERNAL_SERVER_ERROR, "response", None));
     }
-    let mut text = String::new();
-    let mut piece = Some(first);
-    let mut rx = rx;
-    loop {
-        match piece {
-            Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Keepalive) => {}
-            Some(Piece::Done(finish)) => return Json(head.whole(&text, &finish)).into_response(),
-            Some(Piece::Error(f)) => return refused(Refusal::of(f)),
-            None => {
-                return openai_error(
-                    StatusCode::BAD_GATEWAY,
-                    "rank 0's runner stopped before the answer ended",
-                    None,
-                );
-            }
-        }
-        piece = rx.recv().await;
+    match collect(first, rx).await {
+        Ok((text, finish)) => Json(head.whole(&text, &finish)).into_response(),
+        Err(r) => refused(r),
     }
 }
 
