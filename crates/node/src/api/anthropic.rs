@@ -175,16 +175,21 @@ impl MessagesRequest {
     }
 }
 
-fn anthropic_error(status: StatusCode, message: &str) -> Response {
-    let kind = match status {
+/// Anthropic's error type for a status code.
+fn error_type(status: StatusCode) -> &'static str {
+    match status {
         StatusCode::BAD_REQUEST => "invalid_request_error",
         StatusCode::UNAUTHORIZED => "authentication_error",
         StatusCode::NOT_FOUND => "not_found_error",
         StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
         StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
         _ => "api_error",
-    };
-    let body = json!({ "type": "error", "error": { "type": kind, "message": message } });
+    }
+}
+
+fn anthropic_error(status: StatusCode, message: &str) -> Response {
+    let body =
+        json!({ "type": "error", "error": { "type": error_type(status), "message": message } });
     (status, Json(body)).into_response()
 }
 
@@ -304,11 +309,7 @@ fn piece_events(piece: Piece, out: &mut Vec<Out>) -> bool {
             true
         }
         Piece::Error(f) => {
-            let kind = match Refusal::of(f.clone()).status {
-                StatusCode::BAD_REQUEST => "invalid_request_error",
-                StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
-                _ => "api_error",
-            };
+            let kind = error_type(Refusal::of(f.clone()).status);
             out.push(Out::Bytes(sse(
                 "error",
                 &json!({ "type": "error", "error": { "type": kind, "message": f.message } }),

@@ -139,27 +139,28 @@ fn apply(options: Option<Options>, r: &mut GenerateRequest) -> Result<(), Unsupp
     Ok(())
 }
 
+/// Structured output and thinking, which both endpoints may ask for and shoal does not do.
+fn refuse_format_and_think(
+    format: Option<&Value>,
+    think: Option<&Value>,
+) -> Result<(), Unsupported> {
+    if format.is_some_and(|f| !f.is_null() && f != "") {
+        return Err(Unsupported(
+            "format (JSON output) is not supported yet".into(),
+        ));
+    }
+    if think.is_some_and(|t| t != &Value::Bool(false) && !t.is_null()) {
+        return Err(Unsupported("think is not supported".into()));
+    }
+    Ok(())
+}
+
 impl ChatRequest {
     pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool), Unsupported> {
         if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
             return Err(Unsupported("tools are not supported yet".into()));
         }
-        if self
-            .format
-            .as_ref()
-            .is_some_and(|f| !f.is_null() && f != "")
-        {
-            return Err(Unsupported(
-                "format (JSON output) is not supported yet".into(),
-            ));
-        }
-        if self
-            .think
-            .as_ref()
-            .is_some_and(|t| t != &Value::Bool(false) && !t.is_null())
-        {
-            return Err(Unsupported("think is not supported".into()));
-        }
+        refuse_format_and_think(self.format.as_ref(), self.think.as_ref())?;
         if self.messages.is_empty() {
             return Err(Unsupported("messages must not be empty".into()));
         }
@@ -189,22 +190,7 @@ impl GenerateBody {
         if self.images.as_ref().is_some_and(|i| !i.is_empty()) {
             return Err(Unsupported("images are not supported".into()));
         }
-        if self
-            .format
-            .as_ref()
-            .is_some_and(|f| !f.is_null() && f != "")
-        {
-            return Err(Unsupported(
-                "format (JSON output) is not supported yet".into(),
-            ));
-        }
-        if self
-            .think
-            .as_ref()
-            .is_some_and(|t| t != &Value::Bool(false) && !t.is_null())
-        {
-            return Err(Unsupported("think is not supported".into()));
-        }
+        refuse_format_and_think(self.format.as_ref(), self.think.as_ref())?;
         if self.template.as_deref().is_some_and(|t| !t.is_empty())
             || self.suffix.as_deref().is_some_and(|s| !s.is_empty())
             || self.context.as_ref().is_some_and(|c| !c.is_empty())

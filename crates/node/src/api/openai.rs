@@ -208,11 +208,21 @@ fn refuse_unhonoured(
     Ok(())
 }
 
-fn sampling(
+/// What both endpoints take alike: the answer's length, sampling, seed and stop strings.
+fn generation(
+    r: &mut GenerateRequest,
+    max_tokens: usize,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    r: &mut GenerateRequest,
+    seed: Option<u64>,
+    stop: Option<Stop>,
 ) -> Result<(), Unsupported> {
+    if max_tokens == 0 {
+        return Err(unsupported("max_tokens", "max_tokens must be at least 1"));
+    }
+    r.max_tokens = max_tokens;
+    r.seed = seed.unwrap_or(0);
+    r.stop = stop.map(Stop::into_vec).unwrap_or_default();
     // OpenAI's default temperature is 1; its range is 0..=2.
     let t = temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&t) {
@@ -286,16 +296,18 @@ impl ChatRequest {
         let mut r = GenerateRequest::new("");
         r.messages = messages;
         r.model = Some(self.model);
-        r.max_tokens = self
+        let max_tokens = self
             .max_completion_tokens
             .or(self.max_tokens)
             .unwrap_or(DEFAULT_MAX_TOKENS);
-        if r.max_tokens == 0 {
-            return Err(unsupported("max_tokens", "max_tokens must be at least 1"));
-        }
-        sampling(self.temperature, self.top_p, &mut r)?;
-        r.seed = self.seed.unwrap_or(0);
-        r.stop = self.stop.map(Stop::into_vec).unwrap_or_default();
+        generation(
+            &mut r,
+            max_tokens,
+            self.temperature,
+            self.top_p,
+            self.seed,
+            self.stop,
+        )?;
         let usage = self.stream_options.is_some_and(|o| o.include_usage);
         Ok((r, self.stream, usage))
     }
@@ -314,27 +326,34 @@ impl CompletionRequest {
         r.raw = true;
         r.model = Some(self.model);
         // OpenAI's legacy default is 16 tokens.
-        r.max_tokens = self.max_tokens.unwrap_or(16);
-        if r.max_tokens == 0 {
-            return Err(unsupported("max_tokens", "max_tokens must be at least 1"));
-        }
-        sampling(self.temperature, self.top_p, &mut r)?;
-        r.seed = self.seed.unwrap_or(0);
-        r.stop = self.stop.map(Stop::into_vec).unwrap_or_default();
+        let max_tokens = self.max_tokens.unwrap_or(16);
+        generation(
+            &mut r,
+            max_tokens,
+            self.temperature,
+            self.top_p,
+            self.seed,
+            self.stop,
+        )?;
         let usage = self.stream_options.is_some_and(|o| o.include_usage);
         Ok((r, self.stream, usage))
     }
 }
 
 /// An error body in OpenAI's shape.
-fn openai_error(status: StatusCode, message: &str, param: Option<&str>) -> Response {
-    let kind = match status {
+/// OpenAI's error type for a status code.
+fn error_type(status: StatusCode) -> &'static str {
+    match status {
         StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
         StatusCode::NOT_FOUND => "not_found_error",
         StatusCode::UNAUTHORIZED => "authentication_error",
         StatusCode::SERVICE_UNAVAILABLE => "overloaded_error",
         _ => "api_error",
-    };
+    }
+}
+
+fn openai_error(status: StatusCode, message: &str, param: Option<&str>) -> Response {
+    let kind = error_type(status);
     let code = match status {
         StatusCode::NOT_FOUND => Some("model_not_found"),
         _ => None,
@@ -548,12 +567,7 @@ fn piece_events(piece: Piece, head: &Head, usage: bool, out: &mut Vec<Out>) -> b
             true
         }
         Piece::Error(f) => {
-            let status = Refusal::of(f.clone()).status;
-            let kind = if status == StatusCode::BAD_REQUEST {
-                "invalid_request_error"
-            } else {
-                "api_error"
-            };
+            let kind = error_type(Refusal::of(f.clone()).status);
             let body = json!({ "error": {
                 "message": f.message, "type": kind, "param": null, "code": null,
             }});
