@@ -896,6 +896,7 @@ fn run_prompt(args: RunArgs) -> Result<()> {
             seed: args.seed,
         },
         prefill_chunk: args.prefill_chunk,
+        shown_tokens: Vec::new(),
     };
     let mut messages = Vec::new();
     if let Some(system) = &args.system {

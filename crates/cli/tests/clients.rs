@@ -1,6 +1,6 @@
 //! The official Python clients against a node on a host of its own: `openai` (chat
 //! streamed and not, completions, models), `anthropic` (messages streamed and not) and
-//! `ollama` (chat, generate, tags),
+//! `ollama` (chat, generate, tags), tool calls through all three on qwen2.5-coder-0.5b,
 //! and bad requests (each protocol's error shape, the right status, the instance still
 //! serving); API keys. The checks are in `clients/*.py`; `.ci/run` installs the clients,
 //! pinned.
@@ -65,6 +65,30 @@ fn the_openai_anthropic_and_ollama_clients_are_answered_and_refused_properly() {
         promtool.status.success(),
         "promtool: {}",
         String::from_utf8_lossy(&promtool.stdout)
+    );
+}
+
+#[test]
+fn tool_calls_come_back_through_every_client() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let model = "qwen2.5-coder-0.5b";
+    let c = serving_one(bed, bin(), model, 2048, &[], &[]);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/tools.py");
+    let out = c
+        .bed
+        .command(1, "python3")
+        .arg(&script)
+        .args(["http://127.0.0.1:52415", model])
+        .output()
+        .expect("run python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "the tool checks failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 

@@ -40,7 +40,15 @@ impl<'e> Decoder<'e> {
             engine,
             sampler: Sampler::new(params.sampling.clone()),
             stops: StopMatcher::new(&params.stop),
-            stream: engine.tokenizer().stream(),
+            stream: {
+                let t = engine.tokenizer();
+                let shown: Vec<u32> = params
+                    .shown_tokens
+                    .iter()
+                    .filter_map(|s| t.token_to_id(s))
+                    .collect();
+                t.stream_showing(&shown)
+            },
             history: prompt.to_vec(),
             prompt_len: prompt.len(),
             generated: Vec::new(),

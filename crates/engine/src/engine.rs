@@ -18,6 +18,9 @@ pub struct GenerateParams {
     pub sampling: SamplingParams,
     /// The most prompt tokens one forward pass takes (bounds prefill memory).
     pub prefill_chunk: usize,
+    /// Special tokens written into the text rather than left out (the tags a tool-call
+    /// reader looks for).
+    pub shown_tokens: Vec<String>,
 }
 
 impl Default for GenerateParams {
@@ -27,6 +30,7 @@ impl Default for GenerateParams {
             stop: Vec::new(),
             sampling: SamplingParams::default(),
             prefill_chunk: 256,
+            shown_tokens: Vec::new(),
         }
     }
 }
@@ -41,6 +45,11 @@ pub enum FinishReason {
     Length,
     /// The caller stopped listening.
     Cancelled,
+    /// The answer ends in calls of the functions the request offered (set by the server
+    /// that reads the calls out of the text).
+    ToolCalls,
+    /// The model wrote a call that does not parse; the answer holds it as text.
+    MalformedToolCall,
 }
 
 /// The outcome of one generation.
@@ -89,7 +98,19 @@ impl Engine {
 
     /// Renders a conversation with the model's chat template and tokenizes it.
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.tokenizer.chat_template().render(messages, true)?;
+        self.chat_prompt_with_tools(messages, &[])
+    }
+
+    /// Renders a conversation and the functions the model may call (OpenAI's shape).
+    pub fn chat_prompt_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<Vec<u32>> {
+        let text = self
+            .tokenizer
+            .chat_template()
+            .render(messages, tools, true)?;
         self.text_prompt_with_template_bos(&text)
     }
 

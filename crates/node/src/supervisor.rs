@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use shoal_cluster::RunnerStatus;
 use shoal_runner::control::{
-    ErrorKind, FinishReason, FromRunner, GenerateRequest, Timings, ToRunner, Usage,
+    ErrorKind, FinishReason, FromRunner, GenerateRequest, Timings, ToRunner, ToolCall, Usage,
 };
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::UnixListener;
@@ -65,6 +65,8 @@ pub struct RunnerSpec {
 #[serde(rename_all = "snake_case")]
 pub enum Piece {
     Text(String),
+    /// A call of a function the request offered.
+    ToolCall(ToolCall),
     /// The answer is complete.
     Done(Finish),
     /// The answer failed; nothing follows.
@@ -319,11 +321,12 @@ async fn supervise(
                         continue;
                     }
                     FromRunner::Text { id, text } => (id, Piece::Text(text)),
+                    FromRunner::ToolCall { id, call } => (id, Piece::ToolCall(call)),
                     FromRunner::Done { id, finish_reason, usage, timings } => (id, Piece::Done(Finish { finish_reason, usage, timings })),
                     FromRunner::Error { id, kind, message } => (id, Piece::Error(Failure { kind, message })),
                 };
                 last_progress = Instant::now();
-                let last = !matches!(piece, Piece::Text(_));
+                let last = piece.ends();
                 let delivered = inflight.get(&id).is_some_and(|j| j.reply.send(piece).is_ok());
                 if last || !delivered {
                     // Ended, or its client is gone.

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use shoal_cluster::RunnerStatus;
 pub use shoal_engine::FinishReason;
 use shoal_engine::{GenerateParams, SamplingParams};
-pub use shoal_tokenizer::ChatMessage;
+pub use shoal_tokenizer::{ChatMessage, ToolCall};
 
 /// Node → runner.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -36,6 +36,12 @@ pub enum FromRunner {
     Text {
         id: u64,
         text: String,
+    },
+    /// A call the model made of a function the request offered (read out of its text,
+    /// which is not sent as text).
+    ToolCall {
+        id: u64,
+        call: ToolCall,
     },
     Done {
         id: u64,
@@ -91,6 +97,11 @@ pub struct GenerateRequest {
     pub seed: u64,
     #[serde(default)]
     pub stop: Vec<String>,
+    /// Functions the model may call, in OpenAI's shape (`{"type": "function",
+    /// "function": {"name", "description", "parameters"}}`), rendered by the chat
+    /// template; the model's calls come back as `ToolCall`s.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<serde_json::Value>,
     /// Which model (the node routes by it; the runner ignores it).
     #[serde(default)]
     pub model: Option<String>,
@@ -120,6 +131,7 @@ impl GenerateRequest {
             repetition_penalty: 1.0,
             seed: 0,
             stop: Vec::new(),
+            tools: Vec::new(),
             model: None,
         }
     }
@@ -139,6 +151,7 @@ impl GenerateRequest {
                 ..SamplingParams::default()
             },
             prefill_chunk,
+            shown_tokens: Vec::new(),
         }
     }
 }

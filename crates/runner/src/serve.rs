@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use shoal_collectives::Transport;
 use shoal_engine::{Decoder, Engine, EngineError, FinishReason};
-use shoal_tokenizer::ChatMessage;
+use shoal_tokenizer::{ChatMessage, ToolCallStream, ToolCallSyntax, ToolEvent};
 
 use crate::SplitModel;
 use crate::control::{ErrorKind, FromRunner, GenerateRequest, Timings, ToRunner, Usage};
@@ -124,9 +124,79 @@ struct Seq<'e> {
     arrived: Instant,
     admitted: Option<Instant>,
     first_token: Option<Instant>,
+    /// Reads the model's tool calls out of its text, when the request offered tools.
+    tools: Option<Tools>,
+}
+
+/// The names of the functions offered (OpenAI's shape).
+fn function_names(tools: &[serde_json::Value]) -> Vec<String> {
+    tools
+        .iter()
+        .filter_map(|t| t["function"]["name"].as_str())
+        .map(str::to_string)
+        .collect()
+}
+
+/// A sequence's tool calls so far.
+#[derive(Default)]
+struct Tools {
+    stream: ToolCallStream,
+    called: bool,
+    malformed: bool,
 }
 
 impl Seq<'_> {
+    /// Sends a piece of the answer: as it is, or through the tool-call reader.
+    fn emit(&mut self, text: String, send: &dyn Fn(FromRunner) -> bool) {
+        let Some(tools) = &mut self.tools else {
+            if !text.is_empty() {
+                send(FromRunner::Text { id: self.id, text });
+            }
+            return;
+        };
+        let events = tools.stream.push(&text);
+        self.send_tool_events(events, send);
+    }
+
+    fn send_tool_events(&mut self, events: Vec<ToolEvent>, send: &dyn Fn(FromRunner) -> bool) {
+        let Some(tools) = &mut self.tools else {
+            return;
+        };
+        for e in events {
+            let id = self.id;
+            match e {
+                ToolEvent::Text(text) => send(FromRunner::Text { id, text }),
+                ToolEvent::Call(call) => {
+                    tools.called = true;
+                    send(FromRunner::ToolCall { id, call })
+                }
+                ToolEvent::Malformed(text) => {
+                    tools.malformed = true;
+                    send(FromRunner::Text { id, text })
+                }
+            };
+        }
+    }
+
+    /// The answer's end: held text out, and why it ended (its calls decide, when it
+    /// made any).
+    fn finish(&mut self, why: FinishReason, send: &dyn Fn(FromRunner) -> bool) -> FromRunner {
+        let Some(tools) = &mut self.tools else {
+            return self.done(why);
+        };
+        let events = std::mem::take(&mut tools.stream).finish();
+        self.send_tool_events(events, send);
+        let tools = self.tools.as_ref().expect("checked above");
+        let why = if tools.malformed {
+            FinishReason::MalformedToolCall
+        } else if tools.called && why == FinishReason::Stop {
+            FinishReason::ToolCalls
+        } else {
+            why
+        };
+        self.done(why)
+    }
+
     fn waiting(&self) -> Waiting {
         Waiting {
             id: self.id,
@@ -241,11 +311,23 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             let why = "the request has neither a prompt nor messages".to_string();
             return self.fail(id, ErrorKind::Invalid, why);
         }
+        let syntax = ToolCallSyntax::of(self.engine.tokenizer().chat_template());
+        let tools = match syntax {
+            _ if request.tools.is_empty() => None,
+            Some(syntax) => Some(syntax),
+            None => {
+                let why = "this model's chat template takes no tools".to_string();
+                return self.fail(id, ErrorKind::Invalid, why);
+            }
+        };
         let prompt = match self.tokenize(request) {
             Ok(p) => p,
             Err(e) => return self.fail(id, ErrorKind::Invalid, e.to_string()),
         };
-        let params = request.params(self.config.limits.step_tokens);
+        let mut params = request.params(self.config.limits.step_tokens);
+        if let Some(syntax) = tools {
+            params.shown_tokens = syntax.tags().map(str::to_string).to_vec();
+        }
         let decoder = Decoder::new(self.engine, &prompt, &params);
         let max_new = params
             .max_tokens
@@ -262,6 +344,10 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             arrived: Instant::now(),
             admitted: None,
             first_token: None,
+            tools: tools.map(|_| Tools {
+                stream: ToolCallStream::new(function_names(&request.tools)),
+                ..Tools::default()
+            }),
         };
         let limits = &self.config.limits;
         if !fits_at_all(&seq.waiting(), limits) {
@@ -290,7 +376,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
 
     fn tokenize(&self, r: &GenerateRequest) -> Result<Vec<u32>, EngineError> {
         let ids = if !r.messages.is_empty() {
-            self.engine.chat_prompt(&r.messages)?
+            self.engine.chat_prompt_with_tools(&r.messages, &r.tools)?
         } else if r.raw {
             self.engine.raw_prompt(&r.prompt)?
         } else {
@@ -299,7 +385,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 messages.push(ChatMessage::new("system", system));
             }
             messages.push(ChatMessage::new("user", &r.prompt));
-            self.engine.chat_prompt(&messages)?
+            self.engine.chat_prompt_with_tools(&messages, &r.tools)?
         };
         self.engine.check_prompt(&ids)?;
         Ok(ids)
@@ -445,12 +531,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             let s = &mut self.running[i];
             let out = s.decoder.step(&logits.narrow(0, row, 1)?)?;
             s.first_token.get_or_insert_with(Instant::now);
-            if !out.text.is_empty() {
-                (self.send)(FromRunner::Text {
-                    id: s.id,
-                    text: out.text,
-                });
-            }
+            s.emit(out.text, self.send);
             s.next = out.next;
             if out.next.is_none() {
                 finished.push(i);
@@ -459,9 +540,10 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         self.observe(started, decoding, prompt_tokens, budget);
         finished.sort_unstable();
         for i in finished.into_iter().rev() {
-            let s = self.running.remove(i);
+            let mut s = self.running.remove(i);
             let why = s.decoder.finished().unwrap_or(FinishReason::Length);
-            (self.send)(s.done(why));
+            let done = s.finish(why, self.send);
+            (self.send)(done);
             let budget = self.config.prefix_positions;
             for seq in self.prefixes.keep(s.seq, s.prompt, budget) {
                 self.model.release(seq)?;

@@ -4,9 +4,11 @@
 
 mod chat;
 mod tokenizer;
+mod tool_calls;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{ChatMessage, ChatTemplate, FunctionCall, ToolCall};
 pub use tokenizer::{GgufVocab, TextStream, Tokenizer};
+pub use tool_calls::{ToolCallStream, ToolCallSyntax, ToolEvent};
 
 /// Everything that can go wrong while building or using a tokenizer or a template.
 #[derive(Debug, thiserror::Error)]

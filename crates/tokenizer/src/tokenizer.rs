@@ -259,11 +259,19 @@ impl Tokenizer {
     }
 
     /// An incremental decoder that yields text as soon as it forms whole characters.
+    /// Special tokens are left out.
     pub fn stream(&self) -> TextStream<'_> {
+        self.stream_showing(&[])
+    }
+
+    /// The same, but the special tokens among `shown` are written as their text (the
+    /// tags a tool-call reader looks for, which Qwen's vocabulary makes special).
+    pub fn stream_showing(&self, shown: &[u32]) -> TextStream<'_> {
         TextStream {
             tokenizer: self,
             ids: Vec::new(),
             emitted: 0,
+            shown: shown.to_vec(),
         }
     }
 }
@@ -273,13 +281,34 @@ pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
     ids: Vec<u32>,
     emitted: usize,
+    shown: Vec<u32>,
 }
 
 impl TextStream<'_> {
+    /// The text of every id so far: runs between shown special tokens decoded apart,
+    /// the shown tokens as their own text.
+    fn text(&self) -> Result<String> {
+        if self.shown.is_empty() {
+            return Ok(self.tokenizer.inner.decode(&self.ids, true)?);
+        }
+        let mut out = String::new();
+        for run in self.ids.split_inclusive(|id| self.shown.contains(id)) {
+            let (body, tag) = match run.split_last() {
+                Some((last, body)) if self.shown.contains(last) => (body, Some(*last)),
+                _ => (run, None),
+            };
+            out.push_str(&self.tokenizer.inner.decode(body, true)?);
+            if let Some(tag) = tag {
+                out.push_str(&self.tokenizer.inner.id_to_token(tag).unwrap_or_default());
+            }
+        }
+        Ok(out)
+    }
+
     /// Adds one id; returns the new text it completes, if any.
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
-        let text = self.tokenizer.inner.decode(&self.ids, true)?;
+        let text = self.text()?;
         // An incomplete UTF-8 sequence decodes to U+FFFD; wait for the rest of it.
         if text.ends_with('\u{FFFD}') || text.len() < self.emitted {
             return Ok(String::new());

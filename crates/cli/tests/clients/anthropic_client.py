@@ -37,7 +37,7 @@ check("the stream's final message has the usage and stop reason",
 
 for what, status, kwargs in [
     ("an unknown model", 404, dict(model="no-such-model", max_tokens=5, messages=question)),
-    ("tools (not yet)", 400, dict(model=model, max_tokens=5, messages=question,
+    ("tools on a model whose template takes none", 400, dict(model=model, max_tokens=5, messages=question,
                                   tools=[{"name": "f", "input_schema": {"type": "object"}}])),
     ("a prompt past the context", 400, dict(model=model, max_tokens=5,
                                             messages=[{"role": "user", "content": "word " * 20000}])),

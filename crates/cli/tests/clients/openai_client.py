@@ -74,7 +74,7 @@ def refused(status, what, **kwargs):
 hello = [{"role": "user", "content": "Hello"}]
 refused(404, "an unknown model", model="no-such-model", messages=hello)
 refused(400, "n > 1", model=model, messages=hello, n=2)
-refused(400, "tools (not yet)", model=model, messages=hello,
+refused(400, "tools on a model whose template takes none", model=model, messages=hello,
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 refused(400, "a prompt past the context", model=model, messages=[{"role": "user", "content": "word " * 20000}])
 refused(400, "a wrong type", model=model, messages=hello, max_tokens="x")

@@ -3,8 +3,11 @@
 //! `content_block_delta`, `content_block_stop`, `message_delta`, `message_stop`).
 //!
 //! Requests are typed and strict (unknown fields and wrong types are 400s, as Anthropic's
-//! own API answers); what shoal cannot honour yet (tools, images, extended thinking) is
-//! refused by name. Errors have Anthropic's shape: `{"type": "error", "error": {"type",
+//! own API answers); what shoal cannot honour yet (images, extended thinking, a forced
+//! tool choice) is refused by name. Tools are offered to the model through its chat
+//! template (`tool_use` and `tool_result` blocks become its assistant calls and tool
+//! turns); its calls come back as `tool_use` blocks (streamed as `input_json_delta`) with
+//! `stop_reason: "tool_use"`. Errors have Anthropic's shape: `{"type": "error", "error": {"type",
 //! "message"}}`. A failure after the stream began is an `error` event, then the body is
 //! broken off without `message_stop`.
 
@@ -15,10 +18,11 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, Usage};
+use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, ToolCall, Usage};
 
-use super::{Api, Out, Refusal, collect, event_stream, response_id, submit};
-use crate::supervisor::{Finish, Piece};
+use super::tools::FunctionTool;
+use super::{Answer, Api, Out, Refusal, collect, event_stream, response_id, submit};
+use crate::supervisor::Piece;
 
 /// `POST /v1/messages`.
 #[derive(Debug, Deserialize)]
@@ -40,15 +44,52 @@ pub(crate) struct MessagesRequest {
     #[serde(default)]
     stream: bool,
     #[serde(default)]
-    tools: Option<Vec<Value>>,
+    tools: Option<Vec<Tool>>,
     #[serde(default)]
-    tool_choice: Option<Value>,
+    tool_choice: Option<ToolChoice>,
     #[serde(default)]
     thinking: Option<Value>,
     /// Accepted and not used: the caller's tags.
     #[serde(default)]
     #[allow(dead_code)]
     metadata: Option<Value>,
+}
+
+/// A client tool: `{"name", "description", "input_schema"}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Tool {
+    name: String,
+    #[serde(default)]
+    description: Option<String>,
+    input_schema: Value,
+    /// `"custom"` or none; Anthropic's server tools (web search and such) are not here.
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    cache_control: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ToolChoice {
+    #[serde(rename = "type")]
+    kind: ToolMode,
+    #[serde(default)]
+    #[allow(dead_code)]
+    name: Option<String>,
+    #[serde(default)]
+    disable_parallel_tool_use: Option<bool>,
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum ToolMode {
+    Auto,
+    None,
+    Any,
+    Tool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -84,8 +125,24 @@ enum Block {
     },
     Image {},
     Document {},
-    ToolUse {},
-    ToolResult {},
+    ToolUse {
+        id: String,
+        name: String,
+        input: Value,
+        #[serde(default)]
+        #[allow(dead_code)]
+        cache_control: Option<Value>,
+    },
+    ToolResult {
+        tool_use_id: String,
+        #[serde(default)]
+        content: Option<Content>,
+        #[serde(default)]
+        is_error: bool,
+        #[serde(default)]
+        #[allow(dead_code)]
+        cache_control: Option<Value>,
+    },
 }
 
 /// What shoal cannot take, and the field at fault.
@@ -102,33 +159,115 @@ fn unsupported(field: &'static str, message: impl Into<String>) -> Unsupported {
     }
 }
 
+/// The text of content that may hold only text (a system prompt, a tool's result).
 fn text_of(c: Content, field: &'static str) -> Result<String, Unsupported> {
-    match c {
-        Content::Text(t) => Ok(t),
-        Content::Blocks(blocks) => {
-            let mut out = String::new();
-            for b in blocks {
-                match b {
-                    Block::Text { text, .. } => out.push_str(&text),
-                    Block::ToolUse {} | Block::ToolResult {} => {
-                        return Err(unsupported(field, "tool use is not supported yet"));
-                    }
-                    Block::Image {} | Block::Document {} => {
-                        return Err(unsupported(field, "only text content is supported"));
-                    }
-                }
+    let turns = turns("user", c, field)?;
+    match turns.as_slice() {
+        [] => Ok(String::new()),
+        [one] if one.tool_calls.is_empty() && one.tool_call_id.is_none() => Ok(one.content.clone()),
+        _ => Err(unsupported(field, "only text is taken here")),
+    }
+}
+
+/// One message as the template's turns: its text (with an assistant's calls), and a
+/// tool turn for each `tool_result` block.
+fn turns(role: &str, c: Content, field: &'static str) -> Result<Vec<ChatMessage>, Unsupported> {
+    let blocks = match c {
+        Content::Text(t) => return Ok(vec![ChatMessage::new(role, t)]),
+        Content::Blocks(blocks) => blocks,
+    };
+    let mut results = Vec::new();
+    let mut own = ChatMessage::new(role, "");
+    for b in blocks {
+        match b {
+            Block::Text { text, .. } => own.content.push_str(&text),
+            Block::ToolUse {
+                id, name, input, ..
+            } if role == "assistant" => own.tool_calls.push(ToolCall::new(Some(id), name, input)),
+            Block::ToolResult {
+                tool_use_id,
+                content,
+                is_error,
+                ..
+            } if role == "user" => {
+                let text = match content {
+                    Some(c) => text_of(c, field)?,
+                    None => String::new(),
+                };
+                let mut turn = ChatMessage::new(
+                    "tool",
+                    if is_error {
+                        format!("Error: {text}")
+                    } else {
+                        text
+                    },
+                );
+                turn.tool_call_id = Some(tool_use_id);
+                results.push(turn);
             }
-            Ok(out)
+            Block::ToolUse { .. } => {
+                return Err(unsupported(
+                    field,
+                    "tool_use blocks belong to assistant turns",
+                ));
+            }
+            Block::ToolResult { .. } => {
+                return Err(unsupported(
+                    field,
+                    "tool_result blocks belong to user turns",
+                ));
+            }
+            Block::Image {} | Block::Document {} => {
+                return Err(unsupported(field, "only text content is supported"));
+            }
         }
     }
+    if !own.content.is_empty() || !own.tool_calls.is_empty() || results.is_empty() {
+        results.push(own);
+    }
+    Ok(results)
+}
+
+/// The tools the model is shown, by `tool_choice`.
+fn offered(tools: Vec<Tool>, choice: Option<ToolChoice>) -> Result<Vec<Value>, Unsupported> {
+    if let Some(c) = &choice {
+        if matches!(c.kind, ToolMode::Any | ToolMode::Tool) {
+            return Err(unsupported(
+                "tool_choice",
+                "only auto and none are supported (shoal cannot force a call)",
+            ));
+        }
+        if c.disable_parallel_tool_use == Some(true) {
+            return Err(unsupported(
+                "tool_choice",
+                "disable_parallel_tool_use is not supported (the model may make several calls)",
+            ));
+        }
+        if c.kind == ToolMode::None {
+            return Ok(Vec::new());
+        }
+    }
+    let mut functions = Vec::with_capacity(tools.len());
+    for t in tools {
+        if t.kind.as_deref().is_some_and(|k| k != "custom") {
+            return Err(unsupported(
+                "tools",
+                "only client tools (custom) are supported",
+            ));
+        }
+        functions.push(FunctionTool::new(
+            t.name,
+            t.description,
+            Some(t.input_schema),
+        ));
+    }
+    super::tools::for_runner(functions).map_err(|m| unsupported("tools", m))
 }
 
 impl MessagesRequest {
     /// The runner's request, and whether to stream.
     pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool), Unsupported> {
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) || self.tool_choice.is_some() {
-            return Err(unsupported("tools", "tool use is not supported yet"));
-        }
+        let tools = offered(self.tools.unwrap_or_default(), self.tool_choice)?;
         if self.thinking.is_some() {
             return Err(unsupported(
                 "thinking",
@@ -161,10 +300,11 @@ impl MessagesRequest {
                 Role::User => "user",
                 Role::Assistant => "assistant",
             };
-            messages.push(ChatMessage::new(role, text_of(m.content, "messages")?));
+            messages.extend(turns(role, m.content, "messages")?);
         }
         let mut r = GenerateRequest::new("");
         r.messages = messages;
+        r.tools = tools;
         r.model = Some(self.model);
         r.max_tokens = self.max_tokens;
         r.temperature = t;
@@ -197,12 +337,16 @@ fn stop_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop | FinishReason::Cancelled => "end_turn",
         FinishReason::Length => "max_tokens",
+        FinishReason::ToolCalls => "tool_use",
+        // Not one of Anthropic's: the call the model wrote is in the text.
+        FinishReason::MalformedToolCall => "malformed_tool_call",
     }
 }
 
 fn usage_json(u: &Usage) -> Value {
+    // Anthropic counts cache reads apart from the input tokens.
     json!({
-        "input_tokens": u.prompt_tokens,
+        "input_tokens": u.prompt_tokens - u.cached_tokens.min(u.prompt_tokens),
         "output_tokens": u.completion_tokens,
         "cache_read_input_tokens": u.cached_tokens,
     })
@@ -241,35 +385,107 @@ pub(crate) async fn messages(State(api): State<Api>, body: Bytes) -> Response {
             "stop_reason": null, "stop_sequence": null,
             "usage": { "input_tokens": 0, "output_tokens": 0 },
         }});
-        let mut out = vec![
-            Out::Bytes(sse("message_start", &start)),
-            Out::Bytes(sse(
-                "content_block_start",
-                &json!({ "type": "content_block_start", "index": 0,
-                    "content_block": { "type": "text", "text": "" } }),
-            )),
-            Out::Bytes(sse("ping", &json!({ "type": "ping" }))),
-        ];
-        let over = piece_events(first, &mut out);
+        let mut out = vec![Out::Bytes(sse("message_start", &start))];
+        let mut blocks = Blocks::default();
+        out.push(Out::Bytes(sse("ping", &json!({ "type": "ping" }))));
+        let over = piece_events(first, &mut blocks, &mut out);
+        let body = event_stream(out, over, rx, move |p, out| {
+            piece_events(p, &mut blocks, out)
+        });
         return Response::builder()
             .header(header::CONTENT_TYPE, "text/event-stream")
             .header(header::CACHE_CONTROL, "no-cache")
-            .body(Body::from_stream(event_stream(out, over, rx, piece_events)))
+            .body(Body::from_stream(body))
             .unwrap_or_else(|_| anthropic_error(StatusCode::INTERNAL_SERVER_ERROR, "response"));
     }
     match collect(first, rx).await {
-        Ok((text, f)) => Json(whole(&id, &model, &text, &f)).into_response(),
+        Ok(a) => Json(whole(&id, &model, &a)).into_response(),
         Err(r) => anthropic_error(r.status, &r.message),
     }
 }
 
-fn whole(id: &str, model: &str, text: &str, f: &Finish) -> Value {
+fn whole(id: &str, model: &str, a: &Answer) -> Value {
+    let mut content = Vec::new();
+    if !a.text.is_empty() || a.calls.is_empty() {
+        content.push(json!({ "type": "text", "text": a.text }));
+    }
+    content.extend(a.calls.iter().map(tool_use));
     json!({
         "id": id, "type": "message", "role": "assistant", "model": model,
-        "content": [{ "type": "text", "text": text }],
-        "stop_reason": stop_reason(f.finish_reason), "stop_sequence": null,
-        "usage": usage_json(&f.usage),
+        "content": content,
+        "stop_reason": stop_reason(a.finish.finish_reason), "stop_sequence": null,
+        "usage": usage_json(&a.finish.usage),
     })
+}
+
+fn tool_use(c: &ToolCall) -> Value {
+    json!({ "type": "tool_use", "id": response_id("toolu"), "name": c.function.name,
+        "input": c.function.arguments })
+}
+
+/// The content blocks a stream has opened: a text block when text comes, and a tool_use
+/// block per call (opened, given its input in one delta, and closed at once). An answer
+/// with nothing in it still has one (empty) text block.
+#[derive(Default)]
+struct Blocks {
+    /// The index of the open block, or of the next one.
+    index: usize,
+    text_open: bool,
+}
+
+impl Blocks {
+    fn open_text(&mut self, out: &mut Vec<Out>) {
+        out.push(Out::Bytes(sse(
+            "content_block_start",
+            &json!({ "type": "content_block_start", "index": self.index,
+                "content_block": { "type": "text", "text": "" } }),
+        )));
+        self.text_open = true;
+    }
+
+    fn close(&mut self, out: &mut Vec<Out>) {
+        if self.text_open {
+            out.push(Out::Bytes(sse(
+                "content_block_stop",
+                &json!({ "type": "content_block_stop", "index": self.index }),
+            )));
+            self.text_open = false;
+            self.index += 1;
+        }
+    }
+
+    fn text(&mut self, t: &str, out: &mut Vec<Out>) {
+        if !self.text_open {
+            self.open_text(out);
+        }
+        out.push(Out::Bytes(sse(
+            "content_block_delta",
+            &json!({ "type": "content_block_delta", "index": self.index,
+                "delta": { "type": "text_delta", "text": t } }),
+        )));
+    }
+
+    fn call(&mut self, c: &ToolCall, out: &mut Vec<Out>) {
+        self.close(out);
+        let mut block = tool_use(c);
+        block["input"] = json!({});
+        let i = self.index;
+        out.push(Out::Bytes(sse(
+            "content_block_start",
+            &json!({ "type": "content_block_start", "index": i, "content_block": block }),
+        )));
+        out.push(Out::Bytes(sse(
+            "content_block_delta",
+            &json!({ "type": "content_block_delta", "index": i,
+                "delta": { "type": "input_json_delta",
+                    "partial_json": c.function.arguments.to_string() } }),
+        )));
+        out.push(Out::Bytes(sse(
+            "content_block_stop",
+            &json!({ "type": "content_block_stop", "index": i }),
+        )));
+        self.index += 1;
+    }
 }
 
 fn sse(event: &str, data: &Value) -> Bytes {
@@ -277,14 +493,14 @@ fn sse(event: &str, data: &Value) -> Bytes {
 }
 
 /// The events one piece makes; true when the answer is over.
-fn piece_events(piece: Piece, out: &mut Vec<Out>) -> bool {
+fn piece_events(piece: Piece, blocks: &mut Blocks, out: &mut Vec<Out>) -> bool {
     match piece {
         Piece::Text(t) => {
-            out.push(Out::Bytes(sse(
-                "content_block_delta",
-                &json!({ "type": "content_block_delta", "index": 0,
-                    "delta": { "type": "text_delta", "text": t } }),
-            )));
+            blocks.text(&t, out);
+            false
+        }
+        Piece::ToolCall(c) => {
+            blocks.call(&c, out);
             false
         }
         Piece::Keepalive => {
@@ -292,10 +508,10 @@ fn piece_events(piece: Piece, out: &mut Vec<Out>) -> bool {
             false
         }
         Piece::Done(f) => {
-            out.push(Out::Bytes(sse(
-                "content_block_stop",
-                &json!({ "type": "content_block_stop", "index": 0 }),
-            )));
+            if blocks.index == 0 && !blocks.text_open {
+                blocks.open_text(out);
+            }
+            blocks.close(out);
             out.push(Out::Bytes(sse(
                 "message_delta",
                 &json!({ "type": "message_delta",
@@ -323,6 +539,7 @@ fn piece_events(piece: Piece, out: &mut Vec<Out>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::supervisor::Finish;
 
     fn request(body: Value) -> Result<(GenerateRequest, bool), Unsupported> {
         serde_json::from_value::<MessagesRequest>(body)
@@ -354,9 +571,10 @@ mod tests {
     fn what_shoal_cannot_take_is_refused() {
         let base = || json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "a"}]});
         for (field, value) in [
+            ("tool_choice", json!({"type": "any"})),
             (
                 "tools",
-                json!([{"name": "f", "input_schema": {"type": "object"}}]),
+                json!([{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]),
             ),
             ("thinking", json!({"type": "enabled", "budget_tokens": 100})),
             ("max_tokens", json!(0)),
@@ -376,6 +594,88 @@ mod tests {
     }
 
     #[test]
+    fn tool_use_and_tool_result_blocks_become_calls_and_tool_turns() {
+        let (r, _) = request(json!({
+            "model": "m", "max_tokens": 50,
+            "tools": [{"name": "get_weather", "description": "d", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "auto"},
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                ]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"},
+                    {"type": "text", "text": "Thanks"},
+                ]},
+            ],
+        }))
+        .expect("accepted");
+        assert_eq!(
+            r.tools,
+            [
+                json!({"type": "function", "function": {"name": "get_weather", "description": "d", "parameters": {"type": "object"}}})
+            ]
+        );
+        let roles: Vec<&str> = r.messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["user", "assistant", "tool", "user"]);
+        assert_eq!(r.messages[1].content, "Checking.");
+        assert_eq!(
+            r.messages[1].tool_calls[0].function.arguments,
+            json!({"city": "Paris"})
+        );
+        assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("toolu_1"));
+        assert_eq!(r.messages[2].content, "sunny");
+    }
+
+    #[test]
+    fn a_streamed_call_is_a_tool_use_block_of_its_own() {
+        let mut blocks = Blocks::default();
+        let mut out = Vec::new();
+        piece_events(Piece::Text("Let me see.".into()), &mut blocks, &mut out);
+        let call = ToolCall::new(None, "f", json!({"x": 1}));
+        piece_events(Piece::ToolCall(call), &mut blocks, &mut out);
+        let f = Finish {
+            finish_reason: FinishReason::ToolCalls,
+            usage: Usage::default(),
+            timings: Default::default(),
+        };
+        piece_events(Piece::Done(f), &mut blocks, &mut out);
+        let events: Vec<Value> = out
+            .iter()
+            .filter_map(|o| match o {
+                Out::Bytes(b) => {
+                    let t = String::from_utf8_lossy(b);
+                    serde_json::from_str(t.split("data: ").nth(1)?.trim()).ok()
+                }
+                Out::Fail => None,
+            })
+            .collect();
+        let kinds: Vec<(String, Value)> = events
+            .iter()
+            .map(|e| (e["type"].as_str().unwrap().to_string(), e["index"].clone()))
+            .collect();
+        let kind = |k: &str, i: Value| (k.to_string(), i);
+        assert_eq!(
+            kinds,
+            [
+                kind("content_block_start", json!(0)),
+                kind("content_block_delta", json!(0)),
+                kind("content_block_stop", json!(0)),
+                kind("content_block_start", json!(1)),
+                kind("content_block_delta", json!(1)),
+                kind("content_block_stop", json!(1)),
+                kind("message_delta", Value::Null),
+                kind("message_stop", Value::Null),
+            ]
+        );
+        assert_eq!(events[3]["content_block"]["type"], "tool_use");
+        assert_eq!(events[4]["delta"]["partial_json"], r#"{"x":1}"#);
+        assert_eq!(events[6]["delta"]["stop_reason"], "tool_use");
+    }
+
+    #[test]
     fn the_stream_ends_with_message_stop_or_breaks_off() {
         let mut out = Vec::new();
         let f = Finish {
@@ -387,7 +687,8 @@ mod tests {
             },
             timings: Default::default(),
         };
-        assert!(piece_events(Piece::Done(f), &mut out));
+        let mut blocks = Blocks::default();
+        assert!(piece_events(Piece::Done(f), &mut blocks, &mut out));
         let text: Vec<String> = out
             .iter()
             .map(|o| match o {
@@ -395,14 +696,19 @@ mod tests {
                 Out::Fail => "FAIL".into(),
             })
             .collect();
-        assert!(text[0].starts_with("event: content_block_stop"));
         assert!(
-            text[1].contains(r#""stop_reason":"max_tokens""#)
-                && text[1].contains(r#""output_tokens":2"#)
+            text[0].starts_with("event: content_block_start"),
+            "an empty answer has a text block"
         );
-        assert!(text[2].starts_with("event: message_stop"));
+        assert!(text[1].starts_with("event: content_block_stop"));
+        assert!(
+            text[2].contains(r#""stop_reason":"max_tokens""#)
+                && text[2].contains(r#""output_tokens":2"#)
+                && text[2].contains(r#""input_tokens":2"#)
+        );
+        assert!(text[3].starts_with("event: message_stop"));
         let mut out = Vec::new();
-        assert!(piece_events(Piece::broken("gone"), &mut out));
+        assert!(piece_events(Piece::broken("gone"), &mut blocks, &mut out));
         assert!(matches!(out.last(), Some(Out::Fail)));
     }
 }

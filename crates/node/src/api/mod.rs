@@ -27,12 +27,13 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::daemon::{ApiCall, Route, RouteError};
 use crate::supervisor::{Failure, Job, Piece};
-use shoal_runner::control::{ErrorKind, GenerateRequest};
+use shoal_runner::control::{ErrorKind, GenerateRequest, ToolCall};
 
 mod anthropic;
 mod metrics;
 mod ollama;
 mod openai;
+mod tools;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
 /// A keepalive line after this much quiet on an answer's stream.
@@ -340,6 +341,7 @@ fn line(v: Value) -> Bytes {
 fn next(piece: Option<Piece>) -> Next {
     match piece {
         Some(Piece::Text(t)) => Next::Line(line(json!({ "text": t }))),
+        Some(Piece::ToolCall(c)) => Next::Line(line(json!({ "tool_call": c }))),
         Some(Piece::Keepalive) => Next::Line(Bytes::from_static(b"\n")),
         Some(Piece::Done(_)) => Next::End,
         Some(Piece::Error(f)) => Next::Fail(line(json!({ "error": f.message }))),
@@ -401,12 +403,12 @@ pub(crate) fn event_stream(
     mut start: Vec<Out>,
     over: bool,
     rx: mpsc::UnboundedReceiver<Piece>,
-    on_piece: impl Fn(Piece, &mut Vec<Out>) -> bool + Send + 'static,
+    on_piece: impl FnMut(Piece, &mut Vec<Out>) -> bool + Send + 'static,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
     start.reverse();
     futures::stream::unfold(
         (start, over, rx, on_piece),
-        |(mut queue, mut over, mut rx, on_piece)| async move {
+        |(mut queue, mut over, mut rx, mut on_piece)| async move {
             loop {
                 match queue.pop() {
                     Some(Out::Bytes(b)) => return Some((Ok(b), (queue, over, rx, on_piece))),
@@ -450,18 +452,32 @@ pub(crate) fn models_of(status: &Value) -> Vec<String> {
     names
 }
 
-/// A whole answer, for the protocols' non-streamed bodies: its text and how it ended.
+/// A whole answer, for the protocols' non-streamed bodies.
+pub(crate) struct Answer {
+    pub text: String,
+    pub calls: Vec<ToolCall>,
+    pub finish: crate::supervisor::Finish,
+}
+
 pub(crate) async fn collect(
     first: Piece,
     mut rx: mpsc::UnboundedReceiver<Piece>,
-) -> Result<(String, crate::supervisor::Finish), Refusal> {
+) -> Result<Answer, Refusal> {
     let mut text = String::new();
+    let mut calls = Vec::new();
     let mut piece = Some(first);
     loop {
         match piece {
             Some(Piece::Text(t)) => text.push_str(&t),
+            Some(Piece::ToolCall(c)) => calls.push(c),
             Some(Piece::Keepalive) => {}
-            Some(Piece::Done(finish)) => return Ok((text, finish)),
+            Some(Piece::Done(finish)) => {
+                return Ok(Answer {
+                    text,
+                    calls,
+                    finish,
+                });
+            }
             Some(Piece::Error(f)) => return Err(Refusal::of(f)),
             None => {
                 return Err(Refusal::new(

@@ -5,7 +5,8 @@
 //!
 //! Requests are typed (wrong types are 400s; the fields Ollama's clients send are
 //! accepted, others refused); `options` carries the sampling parameters. What shoal
-//! cannot honour yet (tools, `format`, images) is refused by name. Errors are Ollama's
+//! cannot honour yet (`format`, images, thinking) is refused by name. Tools (OpenAI's
+//! shape) reach the model's chat template; its calls come back in `message.tool_calls`. Errors are Ollama's
 //! `{"error": "…"}`; a failure mid-stream is an `{"error": …}` line, then the body breaks
 //! off without a `done` object.
 
@@ -16,9 +17,10 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest};
+use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, ToolCall};
 
-use super::{Api, Out, Refusal, ask, collect, event_stream, submit};
+use super::tools::FunctionTool;
+use super::{Answer, Api, Out, Refusal, ask, collect, event_stream, submit};
 use crate::daemon::ApiCall;
 use crate::supervisor::{Finish, Piece};
 
@@ -32,7 +34,7 @@ pub(crate) struct ChatRequest {
     #[serde(default)]
     options: Option<Options>,
     #[serde(default)]
-    tools: Option<Vec<Value>>,
+    tools: Option<Vec<FunctionTool>>,
     #[serde(default)]
     format: Option<Value>,
     /// Accepted and not used: how long Ollama keeps a model loaded (shoal's instances
@@ -84,7 +86,24 @@ struct Message {
     #[serde(default)]
     images: Option<Vec<Value>>,
     #[serde(default)]
-    tool_calls: Option<Vec<Value>>,
+    tool_calls: Option<Vec<MessageCall>>,
+    /// Which tool a tool turn's content came from.
+    #[serde(default)]
+    #[allow(dead_code)]
+    tool_name: Option<String>,
+}
+
+/// A call in an assistant turn: `{"function": {"name", "arguments": {…}}}`.
+#[derive(Debug, Deserialize)]
+struct MessageCall {
+    function: MessageFunction,
+}
+
+#[derive(Debug, Deserialize)]
+struct MessageFunction {
+    name: String,
+    #[serde(default)]
+    arguments: Value,
 }
 
 /// Ollama's model options; the ones shoal does not use are accepted and ignored only
@@ -157,9 +176,8 @@ fn refuse_format_and_think(
 
 impl ChatRequest {
     pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool), Unsupported> {
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-            return Err(Unsupported("tools are not supported yet".into()));
-        }
+        let tools =
+            super::tools::for_runner(self.tools.unwrap_or_default()).map_err(Unsupported)?;
         refuse_format_and_think(self.format.as_ref(), self.think.as_ref())?;
         if self.messages.is_empty() {
             return Err(Unsupported("messages must not be empty".into()));
@@ -169,16 +187,24 @@ impl ChatRequest {
             if m.images.as_ref().is_some_and(|i| !i.is_empty()) {
                 return Err(Unsupported("images are not supported".into()));
             }
-            if m.tool_calls.as_ref().is_some_and(|t| !t.is_empty()) {
-                return Err(Unsupported("tool calls are not supported yet".into()));
-            }
             if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
                 return Err(Unsupported(format!("unknown role {:?}", m.role)));
             }
-            messages.push(ChatMessage::new(m.role, m.content));
+            let mut message = ChatMessage::new(m.role, m.content);
+            for c in m.tool_calls.into_iter().flatten() {
+                let arguments = match c.function.arguments {
+                    Value::Null => json!({}),
+                    a => a,
+                };
+                message
+                    .tool_calls
+                    .push(ToolCall::new(None, c.function.name, arguments));
+            }
+            messages.push(message);
         }
         let mut r = GenerateRequest::new("");
         r.messages = messages;
+        r.tools = tools;
         r.model = Some(self.model);
         apply(self.options, &mut r)?;
         Ok((r, self.stream.unwrap_or(true)))
@@ -261,6 +287,17 @@ impl Head {
         v
     }
 
+    /// A piece holding the model's calls (chat only: generate has no tools).
+    fn calls(&self, calls: &[ToolCall]) -> Value {
+        let mut v = self.piece("");
+        let calls: Vec<Value> = calls
+            .iter()
+            .map(|c| json!({ "function": { "name": c.function.name, "arguments": c.function.arguments } }))
+            .collect();
+        v["message"]["tool_calls"] = json!(calls);
+        v
+    }
+
     fn last(&self, text: &str, f: &Finish) -> Value {
         let mut v = self.piece(text);
         let ns = |ms: f64| (ms * 1e6) as u64;
@@ -271,7 +308,9 @@ impl Head {
             "done_reason".into(),
             json!(match f.finish_reason {
                 FinishReason::Length => "length",
-                FinishReason::Stop | FinishReason::Cancelled => "stop",
+                // Ollama ends an answer with calls as any other.
+                FinishReason::Stop | FinishReason::Cancelled | FinishReason::ToolCalls => "stop",
+                FinishReason::MalformedToolCall => "malformed_tool_call",
             }),
         );
         obj.insert(
@@ -295,6 +334,10 @@ fn piece_lines(piece: Piece, head: &Head, out: &mut Vec<Out>) -> bool {
     match piece {
         Piece::Text(t) => {
             out.push(Out::Bytes(line(&head.piece(&t))));
+            false
+        }
+        Piece::ToolCall(c) => {
+            out.push(Out::Bytes(line(&head.calls(&[c]))));
             false
         }
         // NDJSON has no comments; an empty piece keeps the stream alive.
@@ -363,7 +406,17 @@ async fn answer(api: &Api, head: Head, request: GenerateRequest, stream: bool) -
             .unwrap_or_else(|_| ollama_error(StatusCode::INTERNAL_SERVER_ERROR, "response"));
     }
     match collect(first, rx).await {
-        Ok((text, f)) => Json(head.last(&text, &f)).into_response(),
+        Ok(Answer {
+            text,
+            calls,
+            finish,
+        }) => {
+            let mut v = head.last(&text, &finish);
+            if !calls.is_empty() {
+                v["message"]["tool_calls"] = head.calls(&calls)["message"]["tool_calls"].take();
+            }
+            Json(v).into_response()
+        }
         Err(r) => ollama_error(r.status, &r.message),
     }
 }
@@ -413,10 +466,31 @@ mod tests {
     }
 
     #[test]
+    fn tools_and_calls_reach_the_runner() {
+        let c: ChatRequest = serde_json::from_value(json!({
+            "model": "m",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]},
+                {"role": "tool", "content": "42", "tool_name": "f"},
+            ],
+        }))
+        .unwrap();
+        let (r, _) = c.into_generate().unwrap();
+        assert_eq!(r.tools.len(), 1);
+        assert_eq!(
+            r.messages[1].tool_calls[0].function.arguments,
+            json!({"x": 1})
+        );
+        assert_eq!(r.messages[2].role, "tool");
+    }
+
+    #[test]
     fn what_shoal_cannot_take_is_refused() {
         let c: ChatRequest = serde_json::from_value(json!({
             "model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "format": "json",
         }))
         .unwrap();
         assert!(c.into_generate().is_err());

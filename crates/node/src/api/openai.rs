@@ -4,8 +4,12 @@
 //!
 //! Requests are read into typed shapes that refuse unknown fields and wrong types (as
 //! OpenAI does), then turned into the runner's [`GenerateRequest`] by pure functions.
-//! A parameter shoal cannot honour yet (`n > 1`, `logprobs`, `tools`, penalties, a JSON
-//! schema) is a 400 naming it, never silently ignored. Errors have OpenAI's shape:
+//! A parameter shoal cannot honour yet (`n > 1`, `logprobs`, penalties, a forced tool
+//! choice, a JSON schema) is a 400 naming it, never silently ignored. Tools are rendered
+//! by the model's chat template; the calls the runner reads out of the answer come back
+//! as `tool_calls` (one delta per call when streamed) with `finish_reason: "tool_calls"`,
+//! and a call that does not parse stays in the content with
+//! `finish_reason: "malformed_tool_call"`. Errors have OpenAI's shape:
 //! `{"error": {"message", "type", "param", "code"}}`. A failure after the stream began is
 //! one `data: {"error": …}` event, then the body is broken off (no `[DONE]`), so a
 //! client never takes a cut answer for a whole one.
@@ -19,12 +23,13 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, Usage};
+use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, ToolCall, Usage};
 use tokio::sync::mpsc;
 
-use super::{Api, Out, Refusal, ask, collect, event_stream, response_id, submit};
+use super::tools::{FunctionTool, arguments_text};
+use super::{Answer, Api, Out, Refusal, ask, collect, event_stream, response_id, submit};
 use crate::daemon::ApiCall;
-use crate::supervisor::{Finish, Piece};
+use crate::supervisor::Piece;
 
 /// The default answer length when a request names none (OpenAI's is the model's room).
 const DEFAULT_MAX_TOKENS: usize = 1024;
@@ -62,9 +67,11 @@ pub(crate) struct ChatRequest {
     #[serde(default)]
     top_logprobs: Option<usize>,
     #[serde(default)]
-    tools: Option<Vec<Value>>,
+    tools: Option<Vec<FunctionTool>>,
     #[serde(default)]
-    tool_choice: Option<Value>,
+    tool_choice: Option<ToolChoice>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
     #[serde(default)]
     response_format: Option<Value>,
     /// Accepted and not used: OpenAI's end-user tag.
@@ -118,6 +125,51 @@ struct Message {
     #[serde(default)]
     #[allow(dead_code)]
     name: Option<String>,
+    /// The calls an assistant turn made.
+    #[serde(default)]
+    tool_calls: Option<Vec<MessageCall>>,
+    /// Which call a tool turn answers.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    /// Accepted and not used: an assistant turn's refusal.
+    #[serde(default)]
+    #[allow(dead_code)]
+    refusal: Option<String>,
+}
+
+/// A call in an assistant turn, as the client sends it back.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MessageCall {
+    id: String,
+    #[serde(rename = "type")]
+    #[allow(dead_code)]
+    kind: super::tools::FunctionKind,
+    function: MessageFunction,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MessageFunction {
+    name: String,
+    /// JSON text.
+    arguments: String,
+}
+
+/// `tool_choice`: `"none"`, `"auto"`, `"required"`, or one named function.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum ToolChoice {
+    Mode(ToolMode),
+    Named(#[allow(dead_code)] Value),
+}
+
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum ToolMode {
+    None,
+    Auto,
+    Required,
 }
 
 #[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
@@ -269,9 +321,23 @@ impl ChatRequest {
         if self.logprobs == Some(true) || self.top_logprobs.is_some() {
             return Err(unsupported("logprobs", "logprobs are not supported yet"));
         }
-        if self.tools.as_ref().is_some_and(|t| !t.is_empty()) || self.tool_choice.is_some() {
-            return Err(unsupported("tools", "tool calling is not supported yet"));
+        let tools = match (self.tools.unwrap_or_default(), self.tool_choice) {
+            (_, Some(ToolChoice::Mode(ToolMode::None))) => Vec::new(),
+            (t, None | Some(ToolChoice::Mode(ToolMode::Auto))) => t,
+            (_, Some(_)) => {
+                return Err(unsupported(
+                    "tool_choice",
+                    "only \"auto\" and \"none\" are supported (shoal cannot force a call)",
+                ));
+            }
+        };
+        if self.parallel_tool_calls == Some(false) {
+            return Err(unsupported(
+                "parallel_tool_calls",
+                "parallel_tool_calls: false is not supported (the model may make several calls)",
+            ));
         }
+        let tools = super::tools::for_runner(tools).map_err(|m| unsupported("tools", m))?;
         if let Some(f) = &self.response_format
             && f.get("type").and_then(Value::as_str) != Some("text")
         {
@@ -291,10 +357,18 @@ impl ChatRequest {
                 Role::Assistant => "assistant",
                 Role::Tool => "tool",
             };
-            messages.push(ChatMessage::new(role, text_of(m.content)?));
+            let mut message = ChatMessage::new(role, text_of(m.content)?);
+            message.tool_call_id = m.tool_call_id;
+            for c in m.tool_calls.into_iter().flatten() {
+                let arguments = super::tools::arguments_value(&c.function.arguments);
+                let call = ToolCall::new(Some(c.id), c.function.name, arguments);
+                message.tool_calls.push(call);
+            }
+            messages.push(message);
         }
         let mut r = GenerateRequest::new("");
         r.messages = messages;
+        r.tools = tools;
         r.model = Some(self.model);
         let max_tokens = self
             .max_completion_tokens
@@ -390,6 +464,9 @@ fn finish_reason(f: FinishReason) -> &'static str {
     match f {
         FinishReason::Stop | FinishReason::Cancelled => "stop",
         FinishReason::Length => "length",
+        FinishReason::ToolCalls => "tool_calls",
+        // Not one of OpenAI's: the call the model wrote is in the content, as text.
+        FinishReason::MalformedToolCall => "malformed_tool_call",
     }
 }
 
@@ -416,6 +493,8 @@ struct Head {
     id: String,
     model: String,
     created: u64,
+    /// Tool calls streamed so far (each delta carries its index).
+    calls: usize,
 }
 
 impl Head {
@@ -429,7 +508,23 @@ impl Head {
             id: response_id(prefix),
             model: model.to_string(),
             created: now(),
+            calls: 0,
         }
+    }
+
+    /// The chunk that streams one tool call whole: its id, name and arguments.
+    fn call_chunk(&mut self, call: &ToolCall) -> Value {
+        let index = self.calls;
+        self.calls += 1;
+        let delta = json!({ "tool_calls": [{
+            "index": index, "id": response_id("call"), "type": "function",
+            "function": { "name": call.function.name, "arguments": arguments_text(call) },
+        }]});
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created,
+            "model": self.model,
+            "choices": [{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": null }],
+        })
     }
 
     /// One streamed chunk: a piece of text, and the finish reason on the last.
@@ -462,14 +557,28 @@ impl Head {
         })
     }
 
-    fn whole(&self, text: &str, finish: &Finish) -> Value {
+    fn whole(&self, a: &Answer) -> Value {
+        let (text, finish) = (&a.text, &a.finish);
         let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": { "role": "assistant", "content": text, "refusal": null },
-                "logprobs": null,
-                "finish_reason": finish_reason(finish.finish_reason),
-            }),
+            Kind::Chat => {
+                let mut message = json!({ "role": "assistant", "content": text, "refusal": null });
+                if !a.calls.is_empty() {
+                    let calls: Vec<Value> = a
+                        .calls
+                        .iter()
+                        .map(|c| json!({ "id": response_id("call"), "type": "function",
+                            "function": { "name": c.function.name, "arguments": arguments_text(c) } }))
+                        .collect();
+                    message["tool_calls"] = json!(calls);
+                    if text.is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                }
+                json!({
+                    "index": 0, "message": message, "logprobs": null,
+                    "finish_reason": finish_reason(finish.finish_reason),
+                })
+            }
             Kind::Completion => json!({
                 "index": 0, "text": text, "logprobs": null,
                 "finish_reason": finish_reason(finish.finish_reason),
@@ -537,7 +646,7 @@ async fn answer(
             .unwrap_or_else(|_| openai_error(StatusCode::INTERNAL_SERVER_ERROR, "response", None));
     }
     match collect(first, rx).await {
-        Ok((text, finish)) => Json(head.whole(&text, &finish)).into_response(),
+        Ok(a) => Json(head.whole(&a)).into_response(),
         Err(r) => refused(r),
     }
 }
@@ -547,10 +656,14 @@ fn event(v: &Value) -> Bytes {
 }
 
 /// The events one piece of the answer makes; true when the answer is over.
-fn piece_events(piece: Piece, head: &Head, usage: bool, out: &mut Vec<Out>) -> bool {
+fn piece_events(piece: Piece, head: &mut Head, usage: bool, out: &mut Vec<Out>) -> bool {
     match piece {
         Piece::Text(t) => {
             out.push(Out::Bytes(event(&head.chunk(Some(&t), false, None))));
+            false
+        }
+        Piece::ToolCall(c) => {
+            out.push(Out::Bytes(event(&head.call_chunk(&c))));
             false
         }
         Piece::Keepalive => {
@@ -582,15 +695,15 @@ fn piece_events(piece: Piece, head: &Head, usage: bool, out: &mut Vec<Out>) -> b
 /// text, a last one with the finish reason, the usage when asked, then `[DONE]`.
 /// Comment lines keep a quiet stream alive.
 fn events(
-    head: Head,
+    mut head: Head,
     first: Piece,
     rx: mpsc::UnboundedReceiver<Piece>,
     usage: bool,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
     let mut start = vec![Out::Bytes(event(&head.chunk(None, true, None)))];
-    let over = piece_events(first, &head, usage, &mut start);
+    let over = piece_events(first, &mut head, usage, &mut start);
     event_stream(start, over, rx, move |p, out| {
-        piece_events(p, &head, usage, out)
+        piece_events(p, &mut head, usage, out)
     })
 }
 
@@ -611,6 +724,7 @@ pub(crate) async fn models(State(api): State<Api>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::supervisor::Finish;
 
     fn chat(body: Value) -> Result<(GenerateRequest, bool, bool), Unsupported> {
         serde_json::from_value::<ChatRequest>(body)
@@ -648,6 +762,66 @@ mod tests {
     }
 
     #[test]
+    fn tools_and_a_tool_round_trip_reach_the_runner() {
+        let tool = json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}});
+        let (r, _, _) = chat(json!({
+            "model": "m", "tools": [tool.clone()], "tool_choice": "auto", "parallel_tool_calls": true,
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+        }))
+        .expect("accepted");
+        assert_eq!(r.tools, std::slice::from_ref(&tool));
+        let call = &r.messages[1].tool_calls[0];
+        assert_eq!(
+            (call.id.as_deref(), call.function.name.as_str()),
+            (Some("call_1"), "get_weather")
+        );
+        assert_eq!(call.function.arguments, json!({"city": "Paris"}));
+        assert_eq!(r.messages[2].tool_call_id.as_deref(), Some("call_1"));
+        let (r, _, _) = chat(
+            json!({"model": "m", "tools": [tool.clone()], "tool_choice": "none",
+            "messages": [{"role": "user", "content": "a"}]}),
+        )
+        .expect("accepted");
+        assert!(
+            r.tools.is_empty(),
+            "tool_choice none: the model is not shown them"
+        );
+    }
+
+    #[test]
+    fn an_answer_with_calls_has_tool_calls_and_no_content() {
+        let head = Head::new(Kind::Chat, "m");
+        let a = Answer {
+            text: String::new(),
+            calls: vec![ToolCall::new(None, "f", json!({"x": 1}))],
+            finish: Finish {
+                finish_reason: FinishReason::ToolCalls,
+                usage: Usage::default(),
+                timings: Default::default(),
+            },
+        };
+        let v = head.whole(&a);
+        let c = &v["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls");
+        assert_eq!(c["message"]["content"], Value::Null);
+        assert_eq!(
+            c["message"]["tool_calls"][0]["function"]["arguments"],
+            r#"{"x":1}"#
+        );
+        assert!(
+            c["message"]["tool_calls"][0]["id"]
+                .as_str()
+                .unwrap()
+                .starts_with("call-")
+        );
+    }
+
+    #[test]
     fn what_shoal_cannot_honour_is_refused_by_name() {
         let base = || json!({"model": "m", "messages": [{"role": "user", "content": "a"}]});
         for (field, value, param) in [
@@ -655,11 +829,13 @@ mod tests {
             ("presence_penalty", json!(0.5), "presence_penalty"),
             ("frequency_penalty", json!(0.5), "frequency_penalty"),
             ("logprobs", json!(true), "logprobs"),
+            ("tool_choice", json!("required"), "tool_choice"),
             (
-                "tools",
-                json!([{"type": "function", "function": {"name": "f"}}]),
-                "tools",
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "f"}}),
+                "tool_choice",
             ),
+            ("parallel_tool_calls", json!(false), "parallel_tool_calls"),
             (
                 "response_format",
                 json!({"type": "json_schema"}),
@@ -691,11 +867,11 @@ mod tests {
 
     #[test]
     fn the_stream_ends_with_done_and_usage_when_asked_or_breaks_off_on_failure() {
-        let head = Head::new(Kind::Chat, "m");
+        let mut head = Head::new(Kind::Chat, "m");
         let mut out = Vec::new();
         assert!(!piece_events(
             Piece::Text("a".into()),
-            &head,
+            &mut head,
             true,
             &mut out
         ));
@@ -708,7 +884,7 @@ mod tests {
             },
             timings: Default::default(),
         };
-        assert!(piece_events(Piece::Done(finish), &head, true, &mut out));
+        assert!(piece_events(Piece::Done(finish), &mut head, true, &mut out));
         let text: Vec<String> = out
             .iter()
             .map(|o| match o {
@@ -721,7 +897,12 @@ mod tests {
         assert!(text[2].contains(r#""total_tokens":5"#) && text[2].contains(r#""choices":[]"#));
         assert_eq!(text[3], "data: [DONE]\n\n");
         let mut out = Vec::new();
-        assert!(piece_events(Piece::broken("gone"), &head, false, &mut out));
+        assert!(piece_events(
+            Piece::broken("gone"),
+            &mut head,
+            false,
+            &mut out
+        ));
         assert!(
             matches!(out.last(), Some(Out::Fail)),
             "no [DONE] after a failure"
