@@ -25,23 +25,7 @@ fn the_openai_anthropic_and_ollama_clients_are_answered_and_refused_properly() {
         ("anthropic_client.py", "http://127.0.0.1:52415"),
         ("ollama_client.py", "http://127.0.0.1:52415"),
     ] {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/clients")
-            .join(client);
-        let out = c
-            .bed
-            .command(1, "python3")
-            .arg(&script)
-            .args([base, MODEL])
-            .output()
-            .expect("run python3");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        println!("{stdout}");
-        assert!(
-            out.status.success(),
-            "{client}'s checks failed:\n{stdout}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_checks(&c.bed, client, base, MODEL);
     }
     // What they asked is counted, in a form Prometheus' own checker accepts.
     let metrics = c
@@ -75,19 +59,25 @@ fn tool_calls_come_back_through_every_client() {
     };
     let model = "qwen2.5-coder-0.5b";
     let c = serving_one(bed, bin(), model, 2048, &[], &[]);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/tools.py");
-    let out = c
-        .bed
+    run_checks(&c.bed, "tools.py", "http://127.0.0.1:52415", model);
+}
+
+/// Runs one of `clients/*.py` on host 1 against `base`; its checks must all pass.
+fn run_checks(bed: &Testbed, script: &str, base: &str, model: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/clients")
+        .join(script);
+    let out = bed
         .command(1, "python3")
-        .arg(&script)
-        .args(["http://127.0.0.1:52415", model])
+        .arg(&path)
+        .args([base, model])
         .output()
         .expect("run python3");
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     assert!(
         out.status.success(),
-        "the tool checks failed:\n{stdout}\n{}",
+        "{script}'s checks failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -83,6 +83,10 @@ pub struct GenerateRequest {
     pub system: Option<String>,
     #[serde(default = "default_max_tokens")]
     pub max_tokens: usize,
+    /// `max_tokens` is the client's own: a prompt and answer past the context are refused
+    /// (as OpenAI and Anthropic do) rather than the answer cut short to fit.
+    #[serde(default)]
+    pub must_fit: bool,
     #[serde(default)]
     pub temperature: f32,
     #[serde(default)]
@@ -124,6 +128,7 @@ impl GenerateRequest {
             raw: false,
             system: None,
             max_tokens: default_max_tokens(),
+            must_fit: false,
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,

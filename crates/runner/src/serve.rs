@@ -324,6 +324,16 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             Ok(p) => p,
             Err(e) => return self.fail(id, ErrorKind::Invalid, e.to_string()),
         };
+        let context = self.engine.context_length();
+        if request.must_fit && prompt.len().saturating_add(request.max_tokens) > context {
+            let why = format!(
+                "max_tokens {} and the prompt's {} tokens exceed the model's context of {} tokens",
+                request.max_tokens,
+                prompt.len(),
+                context
+            );
+            return self.fail(id, ErrorKind::Invalid, why);
+        }
         let mut params = request.params(self.config.limits.step_tokens);
         if let Some(syntax) = tools {
             params.shown_tokens = syntax.tags().map(str::to_string).to_vec();

@@ -79,11 +79,7 @@ impl serde_json::ser::Formatter for PythonFormatter {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        comma(writer, first)
     }
 
     fn begin_object_key<W: ?Sized + std::io::Write>(
@@ -91,11 +87,7 @@ impl serde_json::ser::Formatter for PythonFormatter {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        comma(writer, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(
@@ -103,6 +95,14 @@ impl serde_json::ser::Formatter for PythonFormatter {
         writer: &mut W,
     ) -> std::io::Result<()> {
         writer.write_all(b": ")
+    }
+}
+
+fn comma<W: ?Sized + std::io::Write>(writer: &mut W, first: bool) -> std::io::Result<()> {
+    if first {
+        Ok(())
+    } else {
+        writer.write_all(b", ")
     }
 }
 

@@ -39,6 +39,9 @@ for what, status, kwargs in [
     ("an unknown model", 404, dict(model="no-such-model", max_tokens=5, messages=question)),
     ("tools on a model whose template takes none", 400, dict(model=model, max_tokens=5, messages=question,
                                   tools=[{"name": "f", "input_schema": {"type": "object"}}])),
+    ("max_tokens past the context", 400, dict(model=model, max_tokens=1_000_000, messages=question)),
+    ("an oversized body", 413, dict(model=model, max_tokens=5,
+                                    messages=[{"role": "user", "content": "x" * (9 << 20)}])),
     ("a prompt past the context", 400, dict(model=model, max_tokens=5,
                                             messages=[{"role": "user", "content": "word " * 20000}])),
 ]:

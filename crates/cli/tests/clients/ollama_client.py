@@ -42,12 +42,14 @@ check("generate continues raw text", "Paris" in g.response and g.done_reason == 
 for what, kwargs in [
     ("an unknown model", dict(model="no-such-model", messages=question)),
     ("a prompt past the context", dict(model=model, messages=[{"role": "user", "content": "word " * 20000}])),
+    ("an oversized body", dict(model=model, messages=[{"role": "user", "content": "x" * (9 << 20)}])),
 ]:
     try:
         client.chat(stream=False, **kwargs)
         check(what, False, "accepted")
     except ollama.ResponseError as e:
-        check(f"{what}: {e.status_code}", e.status_code in (400, 404) and e.error, (e.status_code, e.error))
+        check(f"{what}: {e.status_code}", e.status_code in (400, 404, 413) and e.error,
+              (e.status_code, e.error[:200]))
 r2 = client.chat(model=model, messages=question, options=greedy, stream=False)
 check("the instance still serves", r2.message.content == whole)
 print("all checks passed")

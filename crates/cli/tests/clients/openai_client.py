@@ -78,6 +78,8 @@ refused(400, "tools on a model whose template takes none", model=model, messages
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 refused(400, "a prompt past the context", model=model, messages=[{"role": "user", "content": "word " * 20000}])
 refused(400, "a wrong type", model=model, messages=hello, max_tokens="x")
+refused(400, "max_tokens past the context", model=model, messages=hello, max_tokens=1_000_000)
+refused(413, "an oversized body", model=model, messages=[{"role": "user", "content": "x" * (9 << 20)}])
 
 
 def raw(body, what):

@@ -21,7 +21,9 @@ use serde_json::{Value, json};
 use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, ToolCall, Usage};
 
 use super::tools::FunctionTool;
-use super::{Answer, Api, Out, Refusal, collect, event_stream, response_id, submit};
+use super::{
+    Answer, Api, Out, RawBody, Refusal, collect, event_stream, read_json, response_id, submit,
+};
 use crate::supervisor::Piece;
 
 /// `POST /v1/messages`.
@@ -307,6 +309,7 @@ impl MessagesRequest {
         r.tools = tools;
         r.model = Some(self.model);
         r.max_tokens = self.max_tokens;
+        r.must_fit = true;
         r.temperature = t;
         r.top_p = p;
         r.top_k = self.top_k.unwrap_or(0);
@@ -352,17 +355,10 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
-pub(crate) async fn messages(State(api): State<Api>, body: Bytes) -> Response {
-    let request: MessagesRequest = match serde_json::from_slice(&body) {
+pub(crate) async fn messages(State(api): State<Api>, body: RawBody) -> Response {
+    let request: MessagesRequest = match read_json(body) {
         Ok(r) => r,
-        Err(e) => {
-            let what = if e.is_syntax() || e.is_eof() {
-                "the body is not valid JSON"
-            } else {
-                "the request does not fit the API"
-            };
-            return anthropic_error(StatusCode::BAD_REQUEST, &format!("{what}: {e}"));
-        }
+        Err(r) => return anthropic_error(r.status, &r.message),
     };
     let model = request.model.clone();
     let (request, stream) = match request.into_generate() {

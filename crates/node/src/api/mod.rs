@@ -36,6 +36,32 @@ mod openai;
 mod tools;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
+/// The largest request body taken (a whole context of text is far less).
+const BODY_LIMIT: usize = 8 << 20;
+
+/// A request's body, or why axum would not read it (too large, cut off).
+pub(crate) type RawBody = Result<Bytes, axum::extract::rejection::BytesRejection>;
+
+/// Reads a protocol's JSON body into `T`: a body over the limit is a 413, one that is not
+/// JSON or does not fit the type a 400, each saying so.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(body: RawBody) -> Result<T, Refusal> {
+    let body = body.map_err(|e| {
+        let message = if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            format!("the body is larger than {} MiB", BODY_LIMIT >> 20)
+        } else {
+            e.body_text()
+        };
+        Refusal::new(e.status(), message)
+    })?;
+    serde_json::from_slice(&body).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() {
+            "the body is not valid JSON"
+        } else {
+            "the request does not fit the API"
+        };
+        Refusal::new(StatusCode::BAD_REQUEST, format!("{what}: {e}"))
+    })
+}
 /// A keepalive line after this much quiet on an answer's stream.
 const KEEPALIVE: Duration = Duration::from_secs(1);
 
@@ -129,6 +155,7 @@ pub async fn serve(
             streams,
             metrics: Default::default(),
         })
+        .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
@@ -281,7 +308,7 @@ async fn place(
 ) -> Response {
     let Json(b) = match body {
         Ok(b) => b,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => return error(e.status(), e.body_text()),
     };
     let strategy = match b.strategy.as_deref().map(str::parse).transpose() {
         Ok(s) => s,
@@ -309,7 +336,7 @@ async fn run(
 ) -> Response {
     let Json(body) = match body {
         Ok(b) => b,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e.body_text()),
+        Err(e) => return error(e.status(), e.body_text()),
     };
     // Typed, so a wrong type or an unknown field is refused, never replaced by a default.
     let request: GenerateRequest = match serde_json::from_value(body) {

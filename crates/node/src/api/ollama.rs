@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, ToolCall};
 
 use super::tools::FunctionTool;
-use super::{Answer, Api, Out, Refusal, ask, collect, event_stream, submit};
+use super::{Answer, Api, Out, RawBody, ask, collect, event_stream, read_json, submit};
 use crate::daemon::ApiCall;
 use crate::supervisor::{Finish, Piece};
 
@@ -241,11 +241,6 @@ fn ollama_error(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()
 }
 
-/// Reads a body, or answers Ollama's 400.
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Refusal> {
-    serde_json::from_slice(body).map_err(|e| Refusal::new(StatusCode::BAD_REQUEST, e.to_string()))
-}
-
 fn created_at() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -357,8 +352,8 @@ fn piece_lines(piece: Piece, head: &Head, out: &mut Vec<Out>) -> bool {
     }
 }
 
-pub(crate) async fn chat(State(api): State<Api>, body: Bytes) -> Response {
-    let parsed: ChatRequest = match parse(&body) {
+pub(crate) async fn chat(State(api): State<Api>, body: RawBody) -> Response {
+    let parsed: ChatRequest = match read_json(body) {
         Ok(r) => r,
         Err(r) => return ollama_error(r.status, &r.message),
     };
@@ -372,8 +367,8 @@ pub(crate) async fn chat(State(api): State<Api>, body: Bytes) -> Response {
     }
 }
 
-pub(crate) async fn generate(State(api): State<Api>, body: Bytes) -> Response {
-    let parsed: GenerateBody = match parse(&body) {
+pub(crate) async fn generate(State(api): State<Api>, body: RawBody) -> Response {
+    let parsed: GenerateBody = match read_json(body) {
         Ok(r) => r,
         Err(r) => return ollama_error(r.status, &r.message),
     };

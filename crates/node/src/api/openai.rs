@@ -27,7 +27,9 @@ use shoal_runner::control::{ChatMessage, FinishReason, GenerateRequest, ToolCall
 use tokio::sync::mpsc;
 
 use super::tools::{FunctionTool, arguments_text};
-use super::{Answer, Api, Out, Refusal, ask, collect, event_stream, response_id, submit};
+use super::{
+    Answer, Api, Out, RawBody, Refusal, ask, collect, event_stream, read_json, response_id, submit,
+};
 use crate::daemon::ApiCall;
 use crate::supervisor::Piece;
 
@@ -370,10 +372,9 @@ impl ChatRequest {
         r.messages = messages;
         r.tools = tools;
         r.model = Some(self.model);
-        let max_tokens = self
-            .max_completion_tokens
-            .or(self.max_tokens)
-            .unwrap_or(DEFAULT_MAX_TOKENS);
+        let asked = self.max_completion_tokens.or(self.max_tokens);
+        r.must_fit = asked.is_some();
+        let max_tokens = asked.unwrap_or(DEFAULT_MAX_TOKENS);
         generation(
             &mut r,
             max_tokens,
@@ -400,6 +401,7 @@ impl CompletionRequest {
         r.raw = true;
         r.model = Some(self.model);
         // OpenAI's legacy default is 16 tokens.
+        r.must_fit = self.max_tokens.is_some();
         let max_tokens = self.max_tokens.unwrap_or(16);
         generation(
             &mut r,
@@ -440,18 +442,6 @@ fn openai_error(status: StatusCode, message: &str, param: Option<&str>) -> Respo
 
 fn refused(r: Refusal) -> Response {
     openai_error(r.status, &r.message, None)
-}
-
-/// Reads a JSON body into `T`, or says why not (OpenAI's 400).
-fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Refusal> {
-    serde_json::from_slice(body).map_err(|e| {
-        let what = if e.is_syntax() || e.is_eof() {
-            "the body is not valid JSON"
-        } else {
-            "the request does not fit the API"
-        };
-        Refusal::new(StatusCode::BAD_REQUEST, format!("{what}: {e}"))
-    })
 }
 
 fn now() -> u64 {
@@ -599,8 +589,8 @@ impl Head {
     }
 }
 
-pub(crate) async fn chat_completions(State(api): State<Api>, body: Bytes) -> Response {
-    let request: ChatRequest = match parse(&body) {
+pub(crate) async fn chat_completions(State(api): State<Api>, body: RawBody) -> Response {
+    let request: ChatRequest = match read_json(body) {
         Ok(r) => r,
         Err(r) => return refused(r),
     };
@@ -613,8 +603,8 @@ pub(crate) async fn chat_completions(State(api): State<Api>, body: Bytes) -> Res
     }
 }
 
-pub(crate) async fn completions(State(api): State<Api>, body: Bytes) -> Response {
-    let request: CompletionRequest = match parse(&body) {
+pub(crate) async fn completions(State(api): State<Api>, body: RawBody) -> Response {
+    let request: CompletionRequest = match read_json(body) {
         Ok(r) => r,
         Err(r) => return refused(r),
     };
