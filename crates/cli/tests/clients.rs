@@ -169,3 +169,74 @@ print("ok")
         "{stderr}"
     );
 }
+
+/// schemathesis (pinned in `.ci/run`) against `/openapi.json`: requests generated from the
+/// schemas, valid and not, on every route but placement; none may get a 5xx, and the
+/// instance serves the same afterwards. Bounded: 25 examples an operation, a short context.
+#[test]
+fn a_schema_driven_fuzz_run_finds_no_server_error() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let c = serving_one(bed, bin(), MODEL, 256, &[], &[]);
+    let out = c
+        .bed
+        .command(1, "schemathesis")
+        .args([
+            "run",
+            "http://127.0.0.1:52415/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "25",
+            "--seed",
+            "7",
+            "--request-timeout",
+            "60",
+            "--exclude-path",
+            "/v1/place",
+        ])
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run schemathesis");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "schemathesis found failures:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = c
+        .bed
+        .command(1, "curl")
+        .args(["-sf", "http://127.0.0.1:52415/metrics"])
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&metrics.stdout);
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("shoal_answers_total{"))
+    {
+        assert!(
+            ["smollm2-135m", "unknown", "any"]
+                .iter()
+                .any(|m| line.contains(&format!("model=\"{m}\""))),
+            "a client's model name became a label: {line}"
+        );
+    }
+    let answer = c.nodes[0].cli(&[
+        "run",
+        "-n",
+        "8",
+        "--node",
+        "127.0.0.1:52415",
+        "--model",
+        MODEL,
+        "Say hi.",
+    ]);
+    assert!(
+        answer.status.success() && !answer.stdout.is_empty(),
+        "the instance still serves: {}",
+        String::from_utf8_lossy(&answer.stderr)
+    );
+}

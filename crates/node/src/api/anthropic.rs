@@ -27,17 +27,20 @@ use super::{
 use crate::supervisor::Piece;
 
 /// `POST /v1/messages`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct MessagesRequest {
     model: String,
+    #[schema(minimum = 1)]
     max_tokens: usize,
     messages: Vec<Message>,
     #[serde(default)]
     system: Option<Content>,
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 1)]
     temperature: Option<f32>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f32>,
     #[serde(default)]
     top_k: Option<usize>,
@@ -58,7 +61,7 @@ pub(crate) struct MessagesRequest {
 }
 
 /// A client tool: `{"name", "description", "input_schema"}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct Tool {
     name: String,
@@ -73,7 +76,8 @@ struct Tool {
     cache_control: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = AnthropicToolChoice)]
 #[serde(deny_unknown_fields)]
 struct ToolChoice {
     #[serde(rename = "type")]
@@ -85,7 +89,8 @@ struct ToolChoice {
     disable_parallel_tool_use: Option<bool>,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(as = AnthropicToolMode)]
 #[serde(rename_all = "snake_case")]
 enum ToolMode {
     Auto,
@@ -94,28 +99,31 @@ enum ToolMode {
     Tool,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = AnthropicMessage)]
 #[serde(deny_unknown_fields)]
 struct Message {
     role: Role,
     content: Content,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy)]
+#[derive(Debug, Deserialize, Clone, Copy, utoipa::ToSchema)]
+#[schema(as = AnthropicRole)]
 #[serde(rename_all = "snake_case")]
 enum Role {
     User,
     Assistant,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = AnthropicContent)]
 #[serde(untagged)]
 enum Content {
     Text(String),
     Blocks(Vec<Block>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Block {
     Text {
@@ -138,6 +146,7 @@ enum Block {
     ToolResult {
         tool_use_id: String,
         #[serde(default)]
+        #[schema(no_recursion)]
         content: Option<Content>,
         #[serde(default)]
         is_error: bool,
@@ -355,6 +364,14 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
+#[utoipa::path(post, path = "/v1/messages", tag = "anthropic", request_body = MessagesRequest,
+    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
+        (status = 401, description = "A wrong or missing API key"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 413, description = "A body over 8 MiB"),
+        (status = 503, description = "The model has no ready instance, or its queue is full"),
+        (status = 502, description = "The instance failed while answering")))]
 pub(crate) async fn messages(State(api): State<Api>, body: RawBody) -> Response {
     let request: MessagesRequest = match read_json(body) {
         Ok(r) => r,

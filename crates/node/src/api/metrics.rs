@@ -172,6 +172,15 @@ impl Watch {
         self.end(outcome);
     }
 
+    /// The answer was refused before it reached a runner. An unknown model is counted
+    /// under `unknown`, not its name: clients must not be able to grow the label set.
+    pub fn refused(&mut self, outcome: &str, known_model: bool) {
+        if !known_model {
+            self.model = "unknown".into();
+        }
+        self.end(outcome.to_string());
+    }
+
     fn end(&mut self, outcome: String) {
         if self.ended {
             return;
@@ -192,6 +201,8 @@ impl Drop for Watch {
     }
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "shoal",
+    responses((status = 200, description = "Prometheus' text format", content_type = "text/plain")))]
 pub(crate) async fn metrics(State(api): State<Api>) -> Response {
     let m = &api.metrics;
     if let Ok(status) = ask(&api.calls, ApiCall::Status).await {

@@ -33,6 +33,7 @@ mod anthropic;
 mod metrics;
 mod ollama;
 mod openai;
+mod openapi;
 mod tools;
 
 const LOOP_DEADLINE: Duration = Duration::from_secs(30);
@@ -137,7 +138,8 @@ pub async fn serve(
     key: Option<ApiKey>,
 ) {
     let app = Router::new()
-        .route("/health", get(|| async { Json(json!({ "status": "ok" })) }))
+        .route("/health", get(health))
+        .route("/openapi.json", get(openapi::document))
         .route("/v1/status", get(status))
         .route("/v1/place", post(place))
         .route("/v1/run", post(run))
@@ -160,6 +162,12 @@ pub async fn serve(
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
     }
+}
+
+#[utoipa::path(get, path = "/health", tag = "shoal",
+    responses((status = 200, description = "The node is up (needs no key)")))]
+async fn health() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
 }
 
 fn error(code: StatusCode, msg: impl Into<String>) -> Response {
@@ -235,7 +243,8 @@ pub(crate) async fn submit(
         local_only: false,
         reply,
     })
-    .await?;
+    .await
+    .inspect_err(|_| watch.refused("not_routed", false))?;
     let mut answer = match route {
         Ok(Route::Local(jobs)) => {
             let (tx, rx) = mpsc::unbounded_channel();
@@ -249,9 +258,11 @@ pub(crate) async fn submit(
         }
         Ok(Route::Remote(peer)) => crate::forward::forward(api.streams.clone(), peer, request),
         Err(e @ RouteError::UnknownModel(_)) => {
+            watch.refused("unknown_model", false);
             return Err(Refusal::new(StatusCode::NOT_FOUND, e.to_string()));
         }
         Err(e @ RouteError::NotReady(_)) => {
+            watch.refused("not_ready", true);
             return Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()));
         }
     };
@@ -285,6 +296,8 @@ pub(crate) async fn submit(
     }
 }
 
+#[utoipa::path(get, path = "/v1/status", tag = "shoal",
+    responses((status = 200, description = "Nodes, instances, runners and the serving load")))]
 async fn status(State(api): State<Api>) -> Response {
     match ask(&api.calls, ApiCall::Status).await {
         Ok(v) => Json(v).into_response(),
@@ -292,7 +305,7 @@ async fn status(State(api): State<Api>) -> Response {
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 struct PlaceBody {
     model: String,
     strategy: Option<String>,
@@ -302,6 +315,10 @@ struct PlaceBody {
     preview: bool,
 }
 
+#[utoipa::path(post, path = "/v1/place", tag = "shoal", request_body = PlaceBody,
+    responses((status = 200, description = "The instance placed, or with `preview` the plans that fit"),
+        (status = 400, description = "Malformed JSON or a wrong type"),
+        (status = 422, description = "No plan fits")))]
 async fn place(
     State(api): State<Api>,
     body: Result<Json<PlaceBody>, axum::extract::rejection::JsonRejection>,
@@ -330,6 +347,14 @@ async fn place(
     }
 }
 
+#[utoipa::path(post, path = "/v1/run", tag = "shoal", request_body(content = Object, description = "The runner's request: `prompt` or `messages`, `model`, sampling"),
+    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
+        (status = 401, description = "A wrong or missing API key"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 413, description = "A body over 8 MiB"),
+        (status = 503, description = "The model has no ready instance, or its queue is full"),
+        (status = 502, description = "The instance failed while answering")))]
 async fn run(
     State(api): State<Api>,
     body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,

@@ -24,7 +24,8 @@ use super::{Answer, Api, Out, RawBody, ask, collect, event_stream, read_json, su
 use crate::daemon::ApiCall;
 use crate::supervisor::{Finish, Piece};
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OllamaChatRequest)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ChatRequest {
     model: String,
@@ -46,7 +47,7 @@ pub(crate) struct ChatRequest {
     think: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct GenerateBody {
     model: String,
@@ -78,7 +79,8 @@ pub(crate) struct GenerateBody {
     context: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OllamaMessage)]
 struct Message {
     role: String,
     #[serde(default)]
@@ -94,12 +96,14 @@ struct Message {
 }
 
 /// A call in an assistant turn: `{"function": {"name", "arguments": {…}}}`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OllamaMessageCall)]
 struct MessageCall {
     function: MessageFunction,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OllamaMessageFunction)]
 struct MessageFunction {
     name: String,
     #[serde(default)]
@@ -109,11 +113,12 @@ struct MessageFunction {
 /// Ollama's model options; the ones shoal does not use are accepted and ignored only
 /// when they are about loading (context size, threads, GPU layers), which placement
 /// decides here.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 struct Options {
     #[serde(default)]
     temperature: Option<f32>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f32>,
     #[serde(default)]
     top_k: Option<usize>,
@@ -352,6 +357,14 @@ fn piece_lines(piece: Piece, head: &Head, out: &mut Vec<Out>) -> bool {
     }
 }
 
+#[utoipa::path(post, path = "/api/chat", tag = "ollama", request_body = ChatRequest,
+    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
+        (status = 401, description = "A wrong or missing API key"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 413, description = "A body over 8 MiB"),
+        (status = 503, description = "The model has no ready instance, or its queue is full"),
+        (status = 502, description = "The instance failed while answering")))]
 pub(crate) async fn chat(State(api): State<Api>, body: RawBody) -> Response {
     let parsed: ChatRequest = match read_json(body) {
         Ok(r) => r,
@@ -367,6 +380,14 @@ pub(crate) async fn chat(State(api): State<Api>, body: RawBody) -> Response {
     }
 }
 
+#[utoipa::path(post, path = "/api/generate", tag = "ollama", request_body = GenerateBody,
+    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
+        (status = 401, description = "A wrong or missing API key"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 413, description = "A body over 8 MiB"),
+        (status = 503, description = "The model has no ready instance, or its queue is full"),
+        (status = 502, description = "The instance failed while answering")))]
 pub(crate) async fn generate(State(api): State<Api>, body: RawBody) -> Response {
     let parsed: GenerateBody = match read_json(body) {
         Ok(r) => r,
@@ -417,6 +438,8 @@ async fn answer(api: &Api, head: Head, request: GenerateRequest, stream: bool) -
 }
 
 /// `GET /api/tags`: every model placed in the cluster or installed on a node.
+#[utoipa::path(get, path = "/api/tags", tag = "ollama",
+    responses((status = 200, description = "The models placed or installed in the cluster")))]
 pub(crate) async fn tags(State(api): State<Api>) -> Response {
     let status = match ask(&api.calls, ApiCall::Status).await {
         Ok(v) => v,
@@ -433,6 +456,8 @@ pub(crate) async fn tags(State(api): State<Api>) -> Response {
 }
 
 /// `GET /api/version`.
+#[utoipa::path(get, path = "/api/version", tag = "ollama",
+    responses((status = 200, description = "shoal's version")))]
 pub(crate) async fn version() -> Response {
     Json(json!({ "version": env!("CARGO_PKG_VERSION") })).into_response()
 }

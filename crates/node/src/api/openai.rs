@@ -37,18 +37,23 @@ use crate::supervisor::Piece;
 const DEFAULT_MAX_TOKENS: usize = 1024;
 
 /// `POST /v1/chat/completions`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OpenAiChatRequest)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct ChatRequest {
     model: String,
     messages: Vec<Message>,
     #[serde(default)]
+    #[schema(minimum = 1)]
     max_tokens: Option<usize>,
     #[serde(default)]
+    #[schema(minimum = 1)]
     max_completion_tokens: Option<usize>,
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 2)]
     temperature: Option<f32>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f32>,
     #[serde(default)]
     stop: Option<Stop>,
@@ -59,6 +64,7 @@ pub(crate) struct ChatRequest {
     #[serde(default)]
     stream_options: Option<StreamOptions>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1)]
     n: Option<usize>,
     #[serde(default)]
     presence_penalty: Option<f32>,
@@ -83,16 +89,19 @@ pub(crate) struct ChatRequest {
 }
 
 /// `POST /v1/completions`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct CompletionRequest {
     model: String,
     prompt: String,
     #[serde(default)]
+    #[schema(minimum = 1)]
     max_tokens: Option<usize>,
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 2)]
     temperature: Option<f32>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f32>,
     #[serde(default)]
     stop: Option<Stop>,
@@ -103,6 +112,7 @@ pub(crate) struct CompletionRequest {
     #[serde(default)]
     stream_options: Option<StreamOptions>,
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1)]
     n: Option<usize>,
     #[serde(default)]
     presence_penalty: Option<f32>,
@@ -117,7 +127,8 @@ pub(crate) struct CompletionRequest {
     user: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OpenAiMessage)]
 #[serde(deny_unknown_fields)]
 struct Message {
     role: Role,
@@ -140,7 +151,8 @@ struct Message {
 }
 
 /// A call in an assistant turn, as the client sends it back.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OpenAiMessageCall)]
 #[serde(deny_unknown_fields)]
 struct MessageCall {
     id: String,
@@ -150,7 +162,8 @@ struct MessageCall {
     function: MessageFunction,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OpenAiMessageFunction)]
 #[serde(deny_unknown_fields)]
 struct MessageFunction {
     name: String,
@@ -159,14 +172,16 @@ struct MessageFunction {
 }
 
 /// `tool_choice`: `"none"`, `"auto"`, `"required"`, or one named function.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OpenAiToolChoice)]
 #[serde(untagged)]
 enum ToolChoice {
     Mode(ToolMode),
     Named(#[allow(dead_code)] Value),
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(as = OpenAiToolMode)]
 #[serde(rename_all = "snake_case")]
 enum ToolMode {
     None,
@@ -174,7 +189,8 @@ enum ToolMode {
     Required,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, utoipa::ToSchema)]
+#[schema(as = OpenAiRole)]
 #[serde(rename_all = "snake_case")]
 enum Role {
     System,
@@ -185,14 +201,15 @@ enum Role {
 }
 
 /// A message's content: a string, or parts of which shoal reads the text ones.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[schema(as = OpenAiContent)]
 #[serde(untagged)]
 enum Content {
     Text(String),
     Parts(Vec<Part>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Part {
     Text { text: String },
@@ -201,7 +218,7 @@ enum Part {
     File {},
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 enum Stop {
     One(String),
@@ -217,7 +234,7 @@ impl Stop {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct StreamOptions {
     #[serde(default)]
@@ -589,6 +606,14 @@ impl Head {
     }
 }
 
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
+    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
+        (status = 401, description = "A wrong or missing API key"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 413, description = "A body over 8 MiB"),
+        (status = 503, description = "The model has no ready instance, or its queue is full"),
+        (status = 502, description = "The instance failed while answering")))]
 pub(crate) async fn chat_completions(State(api): State<Api>, body: RawBody) -> Response {
     let request: ChatRequest = match read_json(body) {
         Ok(r) => r,
@@ -603,6 +628,14 @@ pub(crate) async fn chat_completions(State(api): State<Api>, body: RawBody) -> R
     }
 }
 
+#[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
+    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
+        (status = 401, description = "A wrong or missing API key"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 413, description = "A body over 8 MiB"),
+        (status = 503, description = "The model has no ready instance, or its queue is full"),
+        (status = 502, description = "The instance failed while answering")))]
 pub(crate) async fn completions(State(api): State<Api>, body: RawBody) -> Response {
     let request: CompletionRequest = match read_json(body) {
         Ok(r) => r,
@@ -698,6 +731,8 @@ fn events(
 }
 
 /// `GET /v1/models`: every model placed in the cluster or installed on a node.
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, description = "The models placed or installed in the cluster")))]
 pub(crate) async fn models(State(api): State<Api>) -> Response {
     let status = match ask(&api.calls, ApiCall::Status).await {
         Ok(v) => v,

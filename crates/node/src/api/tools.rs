@@ -7,7 +7,7 @@ use serde_json::Value;
 use shoal_runner::control::ToolCall;
 
 /// A function the model may call: `{"type": "function", "function": {…}}`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FunctionTool {
     #[serde(rename = "type")]
@@ -15,13 +15,13 @@ pub(crate) struct FunctionTool {
     pub function: FunctionDef,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub(crate) enum FunctionKind {
     Function,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct FunctionDef {
     pub name: String,
