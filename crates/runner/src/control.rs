@@ -87,6 +87,10 @@ pub struct GenerateRequest {
     /// (as OpenAI and Anthropic do) rather than the answer cut short to fit.
     #[serde(default)]
     pub must_fit: bool,
+    /// Only count the prompt's tokens (as the template renders it, tools included): the
+    /// answer is a `Done` whose usage says how many, with no text and nothing computed.
+    #[serde(default)]
+    pub count_only: bool,
     #[serde(default)]
     pub temperature: f32,
     #[serde(default)]
@@ -129,6 +133,7 @@ impl GenerateRequest {
             system: None,
             max_tokens: default_max_tokens(),
             must_fit: false,
+            count_only: false,
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,

@@ -324,6 +324,18 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             Ok(p) => p,
             Err(e) => return self.fail(id, ErrorKind::Invalid, e.to_string()),
         };
+        if request.count_only {
+            (self.send)(FromRunner::Done {
+                id,
+                finish_reason: FinishReason::Stop,
+                usage: Usage {
+                    prompt_tokens: prompt.len(),
+                    ..Usage::default()
+                },
+                timings: Timings::default(),
+            });
+            return;
+        }
         let context = self.engine.context_length();
         if request.must_fit && prompt.len().saturating_add(request.max_tokens) > context {
             let why = format!(
@@ -397,7 +409,9 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             messages.push(ChatMessage::new("user", &r.prompt));
             self.engine.chat_prompt_with_tools(&messages, &r.tools)?
         };
-        self.engine.check_prompt(&ids)?;
+        if !r.count_only {
+            self.engine.check_prompt(&ids)?;
+        }
         Ok(ids)
     }
 

@@ -18,6 +18,9 @@ pub struct ModelCard {
     pub layers: u32,
     pub context_length: u32,
     pub license: String,
+    /// Whether the model's chat template takes tools (and it was trained to call them).
+    #[serde(default)]
+    pub tools: bool,
     /// The installed file's name.
     pub file: String,
     pub size: u64,

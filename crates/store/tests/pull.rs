@@ -42,6 +42,7 @@ fn card(sha256: &str, size: u64) -> ModelCard {
         layers: 1,
         context_length: 16,
         license: "none".into(),
+        tools: false,
         file: "fake.gguf".into(),
         size,
         sha256: sha256.into(),

@@ -35,6 +35,10 @@ check("the stream's final message has the usage and stop reason",
       final.usage.output_tokens == m.usage.output_tokens and final.stop_reason == m.stop_reason,
       (final.usage, final.stop_reason))
 
+n = client.messages.count_tokens(model=model, system="Answer in one short sentence.", messages=question)
+check("count_tokens counts what the message would read", n.input_tokens == m.usage.input_tokens
+      + (m.usage.cache_read_input_tokens or 0), (n, m.usage))
+
 for what, status, kwargs in [
     ("an unknown model", 404, dict(model="no-such-model", max_tokens=5, messages=question)),
     ("tools on a model whose template takes none", 400, dict(model=model, max_tokens=5, messages=question,

@@ -39,6 +39,17 @@ check("the stream ends with done and the counts", last.done and last.eval_count 
 g = client.generate(model=model, prompt="The capital of France is", raw=True,
                     options={"temperature": 0, "num_predict": 4}, stream=False)
 check("generate continues raw text", "Paris" in g.response and g.done_reason == "length", g)
+shown = client.show(model)
+check("show describes the model", shown.details.format == "gguf" and shown.details.family
+      and "completion" in (shown.capabilities or []) and shown.modelinfo, shown)
+running = client.ps()
+check("ps lists the model served", any(m.model == model for m in running.models), running)
+try:
+    client.show("no-such-model")
+    check("show of an unknown model", False, "accepted")
+except ollama.ResponseError as e:
+    check("show of an unknown model: 404", e.status_code == 404, e)
+
 for what, kwargs in [
     ("an unknown model", dict(model="no-such-model", messages=question)),
     ("a prompt past the context", dict(model=model, messages=[{"role": "user", "content": "word " * 20000}])),

@@ -278,18 +278,8 @@ fn offered(tools: Vec<Tool>, choice: Option<ToolChoice>) -> Result<Vec<Value>, U
 impl MessagesRequest {
     /// The runner's request, and whether to stream.
     pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool), Unsupported> {
-        let tools = offered(self.tools.unwrap_or_default(), self.tool_choice)?;
-        if self.thinking.is_some() {
-            return Err(unsupported(
-                "thinking",
-                "extended thinking is not supported",
-            ));
-        }
         if self.max_tokens == 0 {
             return Err(unsupported("max_tokens", "max_tokens must be at least 1"));
-        }
-        if self.messages.is_empty() {
-            return Err(unsupported("messages", "messages must not be empty"));
         }
         let t = self.temperature.unwrap_or(1.0);
         if !(0.0..=1.0).contains(&t) {
@@ -301,6 +291,54 @@ impl MessagesRequest {
         let p = self.top_p.unwrap_or(1.0);
         if !(p > 0.0 && p <= 1.0) {
             return Err(unsupported("top_p", "top_p must be within (0, 1]"));
+        }
+        let conversation = Conversation {
+            model: self.model,
+            messages: self.messages,
+            system: self.system,
+            tools: self.tools,
+            tool_choice: self.tool_choice,
+            thinking: self.thinking,
+        };
+        let mut r = conversation.into_request()?;
+        r.max_tokens = self.max_tokens;
+        r.must_fit = true;
+        r.temperature = t;
+        r.top_p = p;
+        r.top_k = self.top_k.unwrap_or(0);
+        r.stop = self.stop_sequences;
+        Ok((r, self.stream))
+    }
+}
+
+/// `POST /v1/messages/count_tokens`: what a message request would put in the prompt.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Conversation {
+    model: String,
+    messages: Vec<Message>,
+    #[serde(default)]
+    system: Option<Content>,
+    #[serde(default)]
+    tools: Option<Vec<Tool>>,
+    #[serde(default)]
+    tool_choice: Option<ToolChoice>,
+    #[serde(default)]
+    thinking: Option<Value>,
+}
+
+impl Conversation {
+    /// The runner's request for this conversation (with the defaults for the rest).
+    fn into_request(self) -> Result<GenerateRequest, Unsupported> {
+        let tools = offered(self.tools.unwrap_or_default(), self.tool_choice)?;
+        if self.thinking.is_some() {
+            return Err(unsupported(
+                "thinking",
+                "extended thinking is not supported",
+            ));
+        }
+        if self.messages.is_empty() {
+            return Err(unsupported("messages", "messages must not be empty"));
         }
         let mut messages = Vec::with_capacity(self.messages.len() + 1);
         if let Some(system) = self.system {
@@ -317,13 +355,7 @@ impl MessagesRequest {
         r.messages = messages;
         r.tools = tools;
         r.model = Some(self.model);
-        r.max_tokens = self.max_tokens;
-        r.must_fit = true;
-        r.temperature = t;
-        r.top_p = p;
-        r.top_k = self.top_k.unwrap_or(0);
-        r.stop = self.stop_sequences;
-        Ok((r, self.stream))
+        Ok(r)
     }
 }
 
@@ -413,6 +445,34 @@ pub(crate) async fn messages(State(api): State<Api>, body: RawBody) -> Response 
     }
     match collect(first, rx).await {
         Ok(a) => Json(whole(&id, &model, &a)).into_response(),
+        Err(r) => anthropic_error(r.status, &r.message),
+    }
+}
+
+#[utoipa::path(post, path = "/v1/messages/count_tokens", tag = "anthropic", request_body = Conversation,
+    responses((status = 200, description = "`{\"input_tokens\": N}`: the prompt's tokens as the model's template renders it"),
+        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, what shoal cannot take"),
+        (status = 404, description = "A model shoal does not know"),
+        (status = 503, description = "The model has no ready instance")))]
+pub(crate) async fn count_tokens(State(api): State<Api>, body: RawBody) -> Response {
+    let conversation: Conversation = match read_json(body) {
+        Ok(r) => r,
+        Err(r) => return anthropic_error(r.status, &r.message),
+    };
+    let mut request = match conversation.into_request() {
+        Ok(r) => r,
+        Err(u) => {
+            let message = format!("{}: {}", u.field, u.message);
+            return anthropic_error(StatusCode::BAD_REQUEST, &message);
+        }
+    };
+    request.count_only = true;
+    let answer = match submit(&api, request).await {
+        Ok((first, rx)) => collect(first, rx).await,
+        Err(r) => Err(r),
+    };
+    match answer {
+        Ok(a) => Json(json!({ "input_tokens": a.finish.usage.prompt_tokens })).into_response(),
         Err(r) => anthropic_error(r.status, &r.message),
     }
 }

@@ -147,9 +147,12 @@ pub async fn serve(
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
         .route("/api/tags", get(ollama::tags))
+        .route("/api/show", post(ollama::show))
+        .route("/api/ps", get(ollama::ps))
         .route("/api/version", get(ollama::version))
         .route("/metrics", get(metrics::metrics))
         .with_state(Api {

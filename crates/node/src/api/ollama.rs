@@ -1,7 +1,7 @@
 //! The Ollama protocol on the serving core, at the paths its clients expect:
 //! `POST /api/chat`, `POST /api/generate` (NDJSON streams by default, the last object with
 //! `done_reason` and the nanosecond durations; or one object with `"stream": false}`),
-//! `GET /api/tags`, `GET /api/version`.
+//! `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`.
 //!
 //! Requests are typed (wrong types are 400s; the fields Ollama's clients send are
 //! accepted, others refused); `options` carries the sampling parameters. What shoal
@@ -450,6 +450,110 @@ pub(crate) async fn tags(State(api): State<Api>) -> Response {
         .map(|m| {
             json!({ "name": m, "model": m, "modified_at": "1970-01-01T00:00:00Z", "size": 0,
                 "digest": "", "details": { "format": "gguf" } })
+        })
+        .collect();
+    Json(json!({ "models": models })).into_response()
+}
+
+/// `POST /api/show`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub(crate) struct ShowRequest {
+    /// The model (older clients call it `name`).
+    #[serde(default, alias = "name")]
+    model: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    verbose: bool,
+}
+
+/// What Ollama's `details` says of a model, from its card when it has one.
+fn details(card: Option<&shoal_store::ModelCard>) -> Value {
+    json!({
+        "parent_model": "",
+        "format": "gguf",
+        "family": card.map_or("", |c| c.architecture.as_str()),
+        "families": card.map(|c| vec![c.architecture.clone()]),
+        "parameter_size": card.map_or("", |c| c.parameters.as_str()),
+        "quantization_level": "",
+    })
+}
+
+/// `POST /api/show`: a model the cluster knows, described from its card.
+#[utoipa::path(post, path = "/api/show", tag = "ollama", request_body = ShowRequest,
+    responses((status = 200, description = "The model's details, shape and capabilities"),
+        (status = 400, description = "Malformed JSON or a wrong type"),
+        (status = 404, description = "A model the cluster does not know")))]
+pub(crate) async fn show(State(api): State<Api>, body: RawBody) -> Response {
+    let req: ShowRequest = match read_json(body) {
+        Ok(r) => r,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    let status = match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => v,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    if !super::models_of(&status).contains(&req.model) {
+        let message = format!("model '{}' not found", req.model);
+        return ollama_error(StatusCode::NOT_FOUND, &message);
+    }
+    let card = shoal_store::find_card(&req.model);
+    let mut info = serde_json::Map::new();
+    let mut capabilities = vec!["completion"];
+    if let Some(c) = &card {
+        let arch = &c.architecture;
+        info.insert("general.architecture".into(), json!(arch));
+        info.insert("general.basename".into(), json!(c.name));
+        info.insert(format!("{arch}.context_length"), json!(c.context_length));
+        info.insert(format!("{arch}.block_count"), json!(c.layers));
+        info.insert(format!("{arch}.embedding_length"), json!(c.hidden));
+        info.insert(format!("{arch}.feed_forward_length"), json!(c.ffn));
+        info.insert(format!("{arch}.attention.head_count"), json!(c.heads));
+        info.insert(format!("{arch}.attention.head_count_kv"), json!(c.kv_heads));
+        info.insert(format!("{arch}.vocab_size"), json!(c.vocab));
+        if c.tools {
+            capabilities.push("tools");
+        }
+    }
+    Json(json!({
+        "modelfile": "",
+        "parameters": "",
+        "template": "",
+        "license": card.as_ref().map_or("", |c| c.license.as_str()),
+        "details": details(card.as_ref()),
+        "model_info": info,
+        "capabilities": capabilities,
+        "modified_at": "1970-01-01T00:00:00Z",
+    }))
+    .into_response()
+}
+
+/// `GET /api/ps`: the models with a ready instance, and what they hold.
+#[utoipa::path(get, path = "/api/ps", tag = "ollama",
+    responses((status = 200, description = "The models being served")))]
+pub(crate) async fn ps(State(api): State<Api>) -> Response {
+    let status = match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => v,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    let ready = status["instances"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["status"]["state"] == "ready");
+    let models: Vec<Value> = ready
+        .map(|i| {
+            let name = i["model"].as_str().unwrap_or_default();
+            let card = shoal_store::find_card(name);
+            json!({
+                "name": name, "model": name,
+                "size": card.as_ref().map_or(0, |c| c.size),
+                "digest": card.as_ref().map_or("", |c| c.sha256.as_str()),
+                "details": details(card.as_ref()),
+                // Instances stay until deleted; Ollama's clients want a time.
+                "expires_at": "2999-01-01T00:00:00Z",
+                "size_vram": 0,
+                "context_length": i["context"],
+            })
         })
         .collect();
     Json(json!({ "models": models })).into_response()

@@ -23,9 +23,12 @@ use crate::daemon::ApiCall;
         super::openai::completions,
         super::openai::models,
         super::anthropic::messages,
+        super::anthropic::count_tokens,
         super::ollama::chat,
         super::ollama::generate,
         super::ollama::tags,
+        super::ollama::show,
+        super::ollama::ps,
         super::ollama::version,
         super::health,
         super::status,
@@ -37,7 +40,9 @@ use crate::daemon::ApiCall;
 struct Document;
 
 /// The request schemas whose `model` names a model.
-const WITH_MODEL: [&str; 5] = [
+const WITH_MODEL: [&str; 7] = [
+    "Conversation",
+    "ShowRequest",
     "OpenAiChatRequest",
     "CompletionRequest",
     "MessagesRequest",
