@@ -223,6 +223,10 @@ struct NodeArgs {
     /// Serve the API beyond loopback without a key.
     #[arg(long)]
     insecure: bool,
+    /// Answer a request for a known model that has no instance with an error, instead of
+    /// placing one (pulling the model if no node has it) and answering once it is ready.
+    #[arg(long)]
+    no_auto_place: bool,
 }
 
 #[derive(Args, Debug)]
@@ -597,6 +601,7 @@ fn node(args: NodeArgs) -> Result<()> {
         gap_bound: args.gap_bound.max(0.0),
         api_key,
         insecure: args.insecure,
+        auto_place: !args.no_auto_place,
     })
 }
 

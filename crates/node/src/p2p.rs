@@ -83,6 +83,9 @@ pub enum Request {
     CatchUp,
     /// Create an instance (sent to the master).
     Place(PlaceRequest),
+    /// Create an instance unless the model has one already, which is the answer then
+    /// (auto-placement: many requests for a model, one instance).
+    PlaceIfAbsent(PlaceRequest),
     /// A link probe: echoed back empty (the payload measures bandwidth).
     Probe {
         #[serde(with = "serde_bytes")]

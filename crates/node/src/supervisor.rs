@@ -73,6 +73,9 @@ pub enum Piece {
     Error(Failure),
     /// Nothing new, but the sender is alive (streams between nodes, when idle).
     Keepalive,
+    /// The instance the answer waits for is being placed or loaded (what is happening,
+    /// for a person to read); only a node's API makes these, before the answer begins.
+    Progress(String),
 }
 
 /// How an answer ended.

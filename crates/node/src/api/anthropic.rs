@@ -580,6 +580,10 @@ fn piece_events(piece: Piece, blocks: &mut Blocks, out: &mut Vec<Out>) -> bool {
             out.push(Out::Bytes(sse("ping", &json!({ "type": "ping" }))));
             false
         }
+        Piece::Progress(p) => {
+            out.push(Out::Bytes(super::comment(&p)));
+            false
+        }
         Piece::Done(f) => {
             if blocks.index == 0 && !blocks.text_open {
                 blocks.open_text(out);

@@ -141,7 +141,7 @@ impl Watch {
     /// A piece of the answer passed.
     pub fn saw(&mut self, piece: &Piece) {
         let m = &self.metrics;
-        if !self.first && !matches!(piece, Piece::Keepalive) {
+        if !self.first && !matches!(piece, Piece::Keepalive | Piece::Progress(_)) {
             self.first = true;
             let s = self.started.elapsed().as_secs_f64();
             m.first_token.get_or_create(&self.label()).observe(s);

@@ -30,6 +30,7 @@ use crate::supervisor::{Failure, Job, Piece};
 use shoal_runner::control::{ErrorKind, GenerateRequest, ToolCall};
 
 mod anthropic;
+mod autoplace;
 mod metrics;
 mod ollama;
 mod openai;
@@ -71,6 +72,8 @@ pub(crate) struct Api {
     metrics: std::sync::Arc<metrics::Metrics>,
     calls: mpsc::Sender<ApiCall>,
     streams: libp2p_stream::Control,
+    /// Place a known model that has no instance when a request asks for it.
+    auto_place: bool,
 }
 
 /// The API key, kept as its digest: requests are compared in constant time.
@@ -136,6 +139,7 @@ pub async fn serve(
     calls: mpsc::Sender<ApiCall>,
     streams: libp2p_stream::Control,
     key: Option<ApiKey>,
+    auto_place: bool,
 ) {
     let app = Router::new()
         .route("/health", get(health))
@@ -159,6 +163,7 @@ pub async fn serve(
             calls,
             streams,
             metrics: Default::default(),
+            auto_place,
         })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::from_fn_with_state(key, authorize));
@@ -232,9 +237,32 @@ async fn ask<T>(
     }
 }
 
+/// Hands `request` to rank 0 where `route` says it runs; its answer's pieces.
+async fn dispatch(
+    api: &Api,
+    route: Route,
+    request: GenerateRequest,
+) -> Result<mpsc::UnboundedReceiver<Piece>, Refusal> {
+    match route {
+        Route::Local(jobs) => {
+            let (tx, rx) = mpsc::unbounded_channel();
+            if jobs.send(Job { request, reply: tx }).await.is_err() {
+                return Err(Refusal::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "rank 0's runner is gone",
+                ));
+            }
+            Ok(rx)
+        }
+        Route::Remote(peer) => Ok(crate::forward::forward(api.streams.clone(), peer, request)),
+    }
+}
+
 /// Sends `request` to its instance's rank 0, here or on the peer that holds it, and
 /// waits for the first piece of the answer (which decides the status code): the first
-/// piece and the rest. Every answer ends with `Done` or `Error`.
+/// piece and the rest. Every answer ends with `Done` or `Error`. A known model placed
+/// nowhere is placed first (unless the node was told `--no-auto-place`): the answer then
+/// opens with `Progress` pieces while the instance loads.
 pub(crate) async fn submit(
     api: &Api,
     request: GenerateRequest,
@@ -249,22 +277,17 @@ pub(crate) async fn submit(
     .await
     .inspect_err(|_| watch.refused("not_routed", false))?;
     let mut answer = match route {
-        Ok(Route::Local(jobs)) => {
-            let (tx, rx) = mpsc::unbounded_channel();
-            if jobs.send(Job { request, reply: tx }).await.is_err() {
-                return Err(Refusal::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "rank 0's runner is gone",
-                ));
-            }
-            rx
+        Ok(route) => dispatch(api, route, request).await?,
+        Err(RouteError::NotPlaced(m)) if api.auto_place => {
+            autoplace::place_and_answer(api, m, request)
+                .await
+                .inspect_err(|_| watch.refused("not_placed", true))?
         }
-        Ok(Route::Remote(peer)) => crate::forward::forward(api.streams.clone(), peer, request),
         Err(e @ RouteError::UnknownModel(_)) => {
             watch.refused("unknown_model", false);
             return Err(Refusal::new(StatusCode::NOT_FOUND, e.to_string()));
         }
-        Err(e @ RouteError::NotReady(_)) => {
+        Err(e @ (RouteError::NotReady(_) | RouteError::NotPlaced(_))) => {
             watch.refused("not_ready", true);
             return Err(Refusal::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()));
         }
@@ -340,6 +363,7 @@ async fn place(
         nodes: b.nodes,
         context: b.ctx,
         preview: b.preview,
+        if_absent: false,
         reply,
     })
     .await;
@@ -397,6 +421,7 @@ fn next(piece: Option<Piece>) -> Next {
     match piece {
         Some(Piece::Text(t)) => Next::Line(line(json!({ "text": t }))),
         Some(Piece::ToolCall(c)) => Next::Line(line(json!({ "tool_call": c }))),
+        Some(Piece::Progress(p)) => Next::Line(line(json!({ "progress": p }))),
         Some(Piece::Keepalive) => Next::Line(Bytes::from_static(b"\n")),
         Some(Piece::Done(_)) => Next::End,
         Some(Piece::Error(f)) => Next::Fail(line(json!({ "error": f.message }))),
@@ -441,6 +466,11 @@ fn answer_lines(
             Next::End => Some((Ok(line(json!({ "done": true }))), (At::Over, rx))),
         }
     })
+}
+
+/// A server-sent events comment line (clients skip it; a person watching sees it).
+pub(crate) fn comment(text: &str) -> Bytes {
+    Bytes::from(format!(": {}\n\n", text.replace(['\n', '\r'], " ")))
 }
 
 /// What a server-sent event stream writes next.
@@ -525,7 +555,7 @@ pub(crate) async fn collect(
         match piece {
             Some(Piece::Text(t)) => text.push_str(&t),
             Some(Piece::ToolCall(c)) => calls.push(c),
-            Some(Piece::Keepalive) => {}
+            Some(Piece::Keepalive | Piece::Progress(_)) => {}
             Some(Piece::Done(finish)) => {
                 return Ok(Answer {
                     text,

@@ -345,6 +345,13 @@ fn piece_lines(piece: Piece, head: &Head, out: &mut Vec<Out>) -> bool {
             out.push(Out::Bytes(line(&head.piece(""))));
             false
         }
+        // An empty piece with Ollama's `status` (what its pull shows) saying what loads.
+        Piece::Progress(p) => {
+            let mut v = head.piece("");
+            v["status"] = json!(p);
+            out.push(Out::Bytes(line(&v)));
+            false
+        }
         Piece::Done(f) => {
             out.push(Out::Bytes(line(&head.last("", &f))));
             true

@@ -693,6 +693,10 @@ fn piece_events(piece: Piece, head: &mut Head, usage: bool, out: &mut Vec<Out>) 
             out.push(Out::Bytes(Bytes::from_static(b": keepalive\n\n")));
             false
         }
+        Piece::Progress(p) => {
+            out.push(Out::Bytes(super::comment(&p)));
+            false
+        }
         Piece::Done(f) => {
             let reason = finish_reason(f.finish_reason);
             out.push(Out::Bytes(event(&head.chunk(None, false, Some(reason)))));

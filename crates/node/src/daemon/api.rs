@@ -41,6 +41,7 @@ impl Daemon {
                 nodes,
                 context,
                 preview,
+                if_absent,
                 reply,
             } => {
                 let req = match Self::request(&model, strategy, nodes, context) {
@@ -56,16 +57,19 @@ impl Daemon {
                         .and_then(|p| serde_json::to_value(p).map_err(|e| e.to_string()));
                     let _ = reply.send(r);
                 } else if self.leading {
-                    let r = self
-                        .place_now(&model, strategy, nodes, context, 0)
-                        .and_then(|i| serde_json::to_value(i).map_err(|e| e.to_string()));
+                    let r = match self.placed(&model).filter(|_| if_absent) {
+                        Some(i) => Ok(i),
+                        None => self.place_now(&model, strategy, nodes, context, 0),
+                    };
+                    let r = r.and_then(|i| serde_json::to_value(i).map_err(|e| e.to_string()));
                     let _ = reply.send(r);
                 } else if let Some(m) = self.master_peer() {
-                    let id = self
-                        .swarm
-                        .behaviour_mut()
-                        .rpc
-                        .send_request(&m, Request::Place(req));
+                    let request = if if_absent {
+                        Request::PlaceIfAbsent(req)
+                    } else {
+                        Request::Place(req)
+                    };
+                    let id = self.swarm.behaviour_mut().rpc.send_request(&m, request);
                     self.pending.insert(id, Pending::Place(reply));
                 } else {
                     let _ = reply.send(Err("no master yet; try again in a moment".into()));
@@ -81,6 +85,15 @@ impl Daemon {
         }
     }
 
+    /// An instance of `model` in the state, whatever its status.
+    pub(super) fn placed(&self, model: &str) -> Option<Instance> {
+        self.state
+            .instances
+            .values()
+            .find(|i| i.model == model)
+            .cloned()
+    }
+
     /// A ready instance of `model` (any model when `None`): one whose rank 0 runs here if
     /// there is one, else the first; `local_only` for requests forwarded from a peer.
     pub(super) fn route(&self, model: Option<&str>, local_only: bool) -> Result<Route, RouteError> {
@@ -88,6 +101,9 @@ impl Daemon {
             let placed = self.state.instances.values().any(|i| i.model == m);
             if !placed && shoal_store::find_card(m).is_none() {
                 return Err(RouteError::UnknownModel(m.to_string()));
+            }
+            if !placed {
+                return Err(RouteError::NotPlaced(m.to_string()));
             }
         }
         self.route_ready(model, local_only)

@@ -79,6 +79,8 @@ pub struct NodeConfig {
     pub api_key: Option<String>,
     /// Serve the API beyond loopback without a key.
     pub insecure: bool,
+    /// A request for a known model that no instance serves places one.
+    pub auto_place: bool,
 }
 
 const TICK: Duration = Duration::from_millis(250);
@@ -108,6 +110,8 @@ pub enum ApiCall {
         nodes: Option<usize>,
         context: Option<usize>,
         preview: bool,
+        /// An instance of the model already placed is the answer.
+        if_absent: bool,
         reply: oneshot::Sender<Result<serde_json::Value, String>>,
     },
     /// Where to send a request for `model`: a local rank 0 or the node that holds it.
@@ -125,7 +129,10 @@ pub enum RouteError {
     /// No model of that name is known to shoal or placed in the cluster.
     #[error("unknown model {0} (see `shoal models`)")]
     UnknownModel(String),
-    /// The model is known but no instance of it is ready (yet).
+    /// The model is known (a built-in card) but not placed anywhere.
+    #[error("no instance of {0} is placed (place one with `shoal place {0}`)")]
+    NotPlaced(String),
+    /// The model is placed but no instance of it is ready (yet).
     #[error("{0}")]
     NotReady(String),
 }
@@ -251,6 +258,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         api_tx,
         streams.clone(),
         key,
+        config.auto_place,
     ));
     let (reports_tx, mut reports_rx) = mpsc::channel(256);
     let (fetch_tx, mut fetch_rx) = mpsc::channel(64);

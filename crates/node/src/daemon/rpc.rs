@@ -226,7 +226,12 @@ impl Daemon {
                 term: self.highest_term,
                 state: self.state.clone(),
             },
-            Request::Place(req) => {
+            Request::PlaceIfAbsent(req)
+                if self.leading && self.placed(&req.model.name).is_some() =>
+            {
+                Response::Placed(self.placed(&req.model.name).expect("checked"))
+            }
+            Request::Place(req) | Request::PlaceIfAbsent(req) => {
                 if !self.leading {
                     Response::Refused("this node is not the master".into())
                 } else {
