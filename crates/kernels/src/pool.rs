@@ -1,6 +1,13 @@
 //! A persistent thread pool for kernel calls: workers spin briefly between calls (a
 //! decode step issues hundreds of matmuls in a row), then park, so an idle process costs
 //! nothing and a busy one pays no thread start-up per call.
+//!
+//! A pool can run its calls in the background ([`ThreadPool::set_background`]): every
+//! thread of it moves to Linux's `SCHED_IDLE` class, so any other process's work preempts
+//! it. A runner does that for steps of bulk prefill, so another model's short prompts and
+//! decode steps on the same machine do not wait behind a long prompt: the kernels split
+//! work statically across threads, and a thread of theirs that loses its core to a busy
+//! neighbour for a time slice stalls every call it takes part in.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -13,6 +20,8 @@ const WORKER_SPINS: u32 = 20_000;
 type Job = *const (dyn Fn(usize) + Sync);
 
 struct Shared {
+    /// Calls run at idle priority.
+    background: AtomicBool,
     generation: AtomicUsize,
     remaining: AtomicUsize,
     job: UnsafeCell<Option<Job>>,
@@ -40,6 +49,7 @@ impl ThreadPool {
     pub fn new(size: usize) -> Self {
         let size = size.max(1);
         let shared = Arc::new(Shared {
+            background: AtomicBool::new(false),
             generation: AtomicUsize::new(0),
             remaining: AtomicUsize::new(0),
             job: UnsafeCell::new(None),
@@ -86,6 +96,14 @@ impl ThreadPool {
         self.size
     }
 
+    /// Runs the calls from now on at idle priority (`true`) or normal priority. A no-op
+    /// where the system will not let a thread move back out of the idle class.
+    pub fn set_background(&self, on: bool) {
+        if priority_classes_work() {
+            self.shared.background.store(on, Ordering::Relaxed);
+        }
+    }
+
     /// Runs `f(i)` for every `i` in `0..size()`, one per thread, and returns when all are
     /// done. A panic inside `f` is re-raised here.
     pub fn run(&self, f: &(dyn Fn(usize) + Sync)) {
@@ -95,6 +113,7 @@ impl ThreadPool {
         }
         let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         let s = &self.shared;
+        CALLER_CLASS.with(|applied| follow_class(&s.background, applied));
         // SAFETY: erasing the lifetime is sound because this function waits below until
         // every worker has finished calling `f`.
         let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
@@ -126,10 +145,55 @@ impl ThreadPool {
     }
 }
 
+thread_local! {
+    /// The scheduling class a pool's calling thread is in (`true`: idle).
+    static CALLER_CLASS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Moves this thread into the class `wanted` says, if it is not there yet.
+fn follow_class(wanted: &AtomicBool, applied: &std::cell::Cell<bool>) {
+    let want = wanted.load(Ordering::Relaxed);
+    if want != applied.get() && set_class(want) {
+        applied.set(want);
+    }
+}
+
+/// This thread to `SCHED_IDLE` (`true`) or `SCHED_OTHER`; whether it took.
+fn set_class(idle: bool) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        let policy = if idle {
+            libc::SCHED_IDLE
+        } else {
+            libc::SCHED_OTHER
+        };
+        let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: pid 0 is the calling thread; `param` outlives the call.
+        unsafe { libc::sched_setscheduler(0, policy, &param) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = idle;
+        false
+    }
+}
+
+/// Whether a thread can go idle and come back (an unprivileged process may not leave
+/// `SCHED_IDLE` under a zero `RLIMIT_NICE`): tried once, on a thread of its own.
+fn priority_classes_work() -> bool {
+    static WORKS: OnceLock<bool> = OnceLock::new();
+    *WORKS.get_or_init(|| {
+        std::thread::spawn(|| set_class(true) && set_class(false))
+            .join()
+            .unwrap_or(false)
+    })
+}
+
 fn worker(shared: Arc<Shared>, index: usize) {
     // Generation 0 is the pool's start: a job published before this thread first runs
     // must still be seen as new.
     let mut seen = 0;
+    let applied = std::cell::Cell::new(false);
     loop {
         let mut spins = 0u32;
         let current = loop {
@@ -148,6 +212,7 @@ fn worker(shared: Arc<Shared>, index: usize) {
             return;
         }
         seen = current;
+        follow_class(&shared.background, &applied);
         // SAFETY: the generation changed, so `job` holds the caller's closure, alive
         // until `remaining` reaches zero.
         if let Some(job) = unsafe { *shared.job.get() } {
@@ -186,6 +251,34 @@ mod tests {
             });
             assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
+    }
+
+    /// The class each of the pool's threads runs a call in: idle while in the
+    /// background, normal again after (where the system allows both).
+    #[test]
+    fn background_calls_run_idle_and_come_back() {
+        let pool = ThreadPool::new(2);
+        let class = || {
+            let policies: Vec<AtomicUsize> =
+                (0..pool.size()).map(|_| AtomicUsize::new(99)).collect();
+            pool.run(&|i| {
+                // SAFETY: pid 0 is the calling thread.
+                let p = unsafe { libc::sched_getscheduler(0) };
+                policies[i].store(p as usize, Ordering::Relaxed);
+            });
+            policies
+                .iter()
+                .map(|p| p.load(Ordering::Relaxed) as i32)
+                .collect::<Vec<_>>()
+        };
+        if !priority_classes_work() {
+            eprintln!("this system does not let a thread leave SCHED_IDLE; skipped");
+            return;
+        }
+        pool.set_background(true);
+        assert_eq!(class(), [libc::SCHED_IDLE; 2]);
+        pool.set_background(false);
+        assert_eq!(class(), [libc::SCHED_OTHER; 2]);
     }
 
     #[test]

@@ -46,6 +46,16 @@ impl ServeConfig {
     }
 }
 
+/// A step of only prompt tokens, this many or more, is bulk work.
+const BULK_PREFILL: usize = 128;
+
+/// Whether a step is bulk prefill, which runs at idle CPU priority: another runner's
+/// decode steps and short prompts on the same cores go first, and it takes what they
+/// leave (all of it when they are idle).
+fn bulk(decoding: usize, prompt_tokens: usize) -> bool {
+    decoding == 0 && prompt_tokens >= BULK_PREFILL
+}
+
 /// A shared prefix shorter than this is computed again rather than copied.
 const MIN_PREFIX: usize = 32;
 
@@ -539,6 +549,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 Work::Decode { .. } => None,
             })
             .collect();
+        shoal_kernels::ThreadPool::global().set_background(bulk(decoding, prompt_tokens));
         let logits = match self.model.forward_batch(parts) {
             Ok(l) => l,
             Err(e) => return self.step_failed(e),
