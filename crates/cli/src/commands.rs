@@ -98,6 +98,13 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Remove an instance (its runners stop on every node).
+    Delete {
+        /// The instance's id, as `shoal status` lists it.
+        instance: String,
+        #[command(flatten)]
+        node: NodeAddr,
+    },
     /// One rank of a split model (started by `--ranks N`; the instance token comes in
     /// SHOAL_INSTANCE_TOKEN).
     #[command(hide = true)]
@@ -363,6 +370,7 @@ pub fn run(cli: Cli) -> Result<()> {
             ctx,
             json,
         } => place(&node.node, &model, preview, strategy, nodes, ctx, json),
+        Command::Delete { instance, node } => delete(&node.node, &instance),
         Command::Tokenize { model, text } => {
             let engine = load(&model)?;
             let ids = engine.tokenizer().encode(&text, false)?;
@@ -687,6 +695,23 @@ fn post_json(node: &str, path: &str, body: &serde_json::Value) -> Result<serde_j
     Ok(serde_json::from_str(&text)?)
 }
 
+fn delete(node: &str, instance: &str) -> Result<()> {
+    let url = format!("http://{node}/v1/instances/{instance}");
+    let resp = keyed(agent().delete(&url))
+        .config()
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .call()
+        .with_context(|| format!("cannot reach the node at {node}"))?;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().read_to_string()?;
+    if status != 200 {
+        return Err(node_error(status, &body));
+    }
+    println!("deleted {instance}");
+    Ok(())
+}
+
 fn status(node: &str, json: bool) -> Result<()> {
     let v = get_json(node, "/v1/status")?;
     if json {
@@ -899,6 +924,7 @@ fn run_prompt(args: RunArgs) -> Result<()> {
             repetition_penalty: args.repeat_penalty,
             repeat_last_n: args.repeat_last_n,
             seed: args.seed,
+            ..SamplingParams::default()
         },
         prefill_chunk: args.prefill_chunk,
         shown_tokens: Vec::new(),

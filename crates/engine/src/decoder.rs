@@ -91,7 +91,8 @@ impl<'e> Decoder<'e> {
             logits.argmax(0)?.to_scalar::<u32>()?
         } else {
             let mut row = logits.to_vec1::<f32>()?;
-            self.sampler.sample(&mut row, &self.history)
+            self.sampler
+                .sample(&mut row, &self.history, self.generated.len())
         };
         if self.engine.tokenizer().stop_ids().contains(&next) {
             return Ok(self.finish(FinishReason::Stop, String::new()));

@@ -1,5 +1,6 @@
 //! Choosing the next token from logits: greedy, or temperature with top-k, top-p and
-//! min-p, after a repetition penalty; seeded so a run can be repeated.
+//! min-p, after a repetition penalty and OpenAI's presence and frequency penalties;
+//! seeded so a run can be repeated.
 
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +19,12 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// How many recent tokens the repetition penalty looks at.
     pub repeat_last_n: usize,
+    /// Subtracted from the logit of every token the answer has used (OpenAI's, -2..2).
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per use in the answer (OpenAI's, -2..2).
+    #[serde(default)]
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -25,7 +32,10 @@ impl SamplingParams {
     /// Whether the next token is simply the most likely one (so it can be picked where
     /// the logits are, without copying them).
     pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 && (self.repetition_penalty - 1.0).abs() < f32::EPSILON
+        self.temperature <= 0.0
+            && (self.repetition_penalty - 1.0).abs() < f32::EPSILON
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
     }
 }
 
@@ -38,6 +48,8 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -80,9 +92,19 @@ impl Sampler {
     }
 
     /// Picks the next token. `history` is the sequence so far (for the repetition
-    /// penalty); `logits` may be modified.
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+    /// penalty), of which the last `generated` tokens are the answer's (for the presence
+    /// and frequency penalties); `logits` may be modified.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], generated: usize) -> u32 {
         let p = &self.params;
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut used = history[history.len().saturating_sub(generated)..].to_vec();
+            used.sort_unstable();
+            for run in used.chunk_by(|a, b| a == b) {
+                if let Some(l) = logits.get_mut(run[0] as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * run.len() as f32;
+                }
+            }
+        }
         if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
             let mut seen = history[start..].to_vec();
@@ -181,14 +203,29 @@ mod tests {
     #[test]
     fn greedy_picks_the_largest_logit() {
         let mut s = Sampler::new(SamplingParams::default());
-        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[]), 1);
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[], 0), 1);
     }
 
     #[test]
     fn repetition_penalty_can_change_the_greedy_choice() {
         let mut s = Sampler::new(params(|p| p.repetition_penalty = 2.0));
         // 3.0 / 2 = 1.5 < 2.9
-        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[1]), 3);
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[1], 0), 3);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_only_the_answers_tokens() {
+        let mut s = Sampler::new(params(|p| p.frequency_penalty = 0.1));
+        // Token 1 used twice in the answer: 3.0 - 0.2 = 2.8 < 2.9.
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[1, 1], 2), 3);
+        assert_eq!(
+            s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[1, 1], 0),
+            1,
+            "the prompt's"
+        );
+        let mut s = Sampler::new(params(|p| p.presence_penalty = 0.15));
+        assert_eq!(s.sample(&mut [0.1, 3.0, -1.0, 2.9], &[1, 1], 2), 3);
+        assert!(!params(|p| p.presence_penalty = 0.5).is_greedy());
     }
 
     #[test]
@@ -199,7 +236,7 @@ mod tests {
         }));
         for seed in 0..50 {
             s.rng = SplitMix64(seed);
-            assert_eq!(s.sample(&mut [0.0, 1.0, 0.5, 0.99], &[]), 1);
+            assert_eq!(s.sample(&mut [0.0, 1.0, 0.5, 0.99], &[], 0), 1);
         }
     }
 
@@ -211,7 +248,7 @@ mod tests {
         }));
         // p(0) ≈ 0.84, p(1) ≈ 0.11 < 0.5·0.84: only token 0 survives.
         for _ in 0..100 {
-            assert_eq!(s.sample(&mut [4.0, 2.0, 0.0], &[]), 0);
+            assert_eq!(s.sample(&mut [4.0, 2.0, 0.0], &[], 0), 0);
         }
     }
 
@@ -222,7 +259,7 @@ mod tests {
             p.top_p = 0.5;
         }));
         for _ in 0..100 {
-            assert_eq!(s.sample(&mut [1.0, 3.0, 0.0], &[]), 1);
+            assert_eq!(s.sample(&mut [1.0, 3.0, 0.0], &[], 0), 1);
         }
     }
 
@@ -235,13 +272,13 @@ mod tests {
         let logits = [0.0f32, (3.0f32).ln()]; // probabilities 1/4, 3/4
         let mut s = Sampler::new(p.clone());
         let draws: Vec<u32> = (0..4000)
-            .map(|_| s.sample(&mut logits.clone(), &[]))
+            .map(|_| s.sample(&mut logits.clone(), &[], 0))
             .collect();
         let ones = draws.iter().filter(|&&d| d == 1).count() as f32 / 4000.0;
         assert!((ones - 0.75).abs() < 0.03, "share of token 1: {ones}");
         let mut again = Sampler::new(p);
         let replay: Vec<u32> = (0..4000)
-            .map(|_| again.sample(&mut logits.clone(), &[]))
+            .map(|_| again.sample(&mut logits.clone(), &[], 0))
             .collect();
         assert_eq!(draws, replay, "the same seed gives the same draws");
     }

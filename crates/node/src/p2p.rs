@@ -86,6 +86,8 @@ pub enum Request {
     /// Create an instance unless the model has one already, which is the answer then
     /// (auto-placement: many requests for a model, one instance).
     PlaceIfAbsent(PlaceRequest),
+    /// Remove an instance (sent to the master): its runners stop everywhere.
+    Delete(String),
     /// A link probe: echoed back empty (the payload measures bandwidth).
     Probe {
         #[serde(with = "serde_bytes")]
@@ -97,6 +99,7 @@ pub enum Request {
 pub enum Response {
     Snapshot { term: u64, state: ClusterState },
     Placed(Instance),
+    Deleted(String),
     Refused(String),
     Probe,
     Error(String),

@@ -101,6 +101,11 @@ pub struct GenerateRequest {
     pub min_p: f32,
     #[serde(default = "one")]
     pub repetition_penalty: f32,
+    /// OpenAI's presence and frequency penalties (0: off).
+    #[serde(default)]
+    pub presence_penalty: f32,
+    #[serde(default)]
+    pub frequency_penalty: f32,
     #[serde(default)]
     pub seed: u64,
     #[serde(default)]
@@ -139,6 +144,8 @@ impl GenerateRequest {
             top_p: 1.0,
             min_p: 0.0,
             repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
             stop: Vec::new(),
             tools: Vec::new(),
@@ -157,6 +164,8 @@ impl GenerateRequest {
                 top_p: self.top_p,
                 min_p: self.min_p,
                 repetition_penalty: self.repetition_penalty,
+                presence_penalty: self.presence_penalty,
+                frequency_penalty: self.frequency_penalty,
                 seed: self.seed,
                 ..SamplingParams::default()
             },

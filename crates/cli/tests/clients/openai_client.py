@@ -61,6 +61,11 @@ check("completions stop at max_tokens", r.usage.completion_tokens <= 4 and r.cho
       (r.usage, r.choices[0].finish_reason))
 
 
+r = client.chat.completions.create(model=model, messages=question, max_tokens=24, temperature=0,
+                                   frequency_penalty=1.5, presence_penalty=0.5)
+check("penalties are taken", r.choices[0].message.content and r.usage.completion_tokens > 0, r)
+
+
 def refused(status, what, **kwargs):
     try:
         client.chat.completions.create(**kwargs)
@@ -74,6 +79,7 @@ def refused(status, what, **kwargs):
 hello = [{"role": "user", "content": "Hello"}]
 refused(404, "an unknown model", model="no-such-model", messages=hello)
 refused(400, "n > 1", model=model, messages=hello, n=2)
+refused(400, "a penalty out of range", model=model, messages=hello, presence_penalty=3)
 refused(400, "tools on a model whose template takes none", model=model, messages=hello,
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
 refused(400, "a prompt past the context", model=model, messages=[{"role": "user", "content": "word " * 20000}])

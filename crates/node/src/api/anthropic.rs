@@ -397,13 +397,7 @@ fn usage_json(u: &Usage) -> Value {
 }
 
 #[utoipa::path(post, path = "/v1/messages", tag = "anthropic", request_body = MessagesRequest,
-    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
-        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
-        (status = 401, description = "A wrong or missing API key"),
-        (status = 404, description = "A model shoal does not know"),
-        (status = 413, description = "A body over 8 MiB"),
-        (status = 503, description = "The model has no ready instance, or its queue is full"),
-        (status = 502, description = "The instance failed while answering")))]
+    responses(super::Answered))]
 pub(crate) async fn messages(State(api): State<Api>, body: RawBody) -> Response {
     let request: MessagesRequest = match read_json(body) {
         Ok(r) => r,

@@ -146,6 +146,8 @@ pub async fn serve(
         .route("/openapi.json", get(openapi::document))
         .route("/v1/status", get(status))
         .route("/v1/place", post(place))
+        .route("/v1/instances", get(instances))
+        .route("/v1/instances/{id}", axum::routing::delete(delete_instance))
         .route("/v1/run", post(run))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
@@ -157,6 +159,7 @@ pub async fn serve(
         .route("/api/tags", get(ollama::tags))
         .route("/api/show", post(ollama::show))
         .route("/api/ps", get(ollama::ps))
+        .route("/api/pull", post(ollama::pull))
         .route("/api/version", get(ollama::version))
         .route("/metrics", get(metrics::metrics))
         .with_state(Api {
@@ -166,6 +169,7 @@ pub async fn serve(
             auto_place,
         })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::map_response(close_after_unread_body))
         .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
@@ -180,6 +184,47 @@ async fn health() -> Json<Value> {
 
 fn error(code: StatusCode, msg: impl Into<String>) -> Response {
     (code, Json(json!({ "error": msg.into() }))).into_response()
+}
+
+/// A body refused for its size is left unread, so the connection cannot carry another
+/// request: saying so keeps a client from sending its next one down it.
+async fn close_after_unread_body(mut r: Response) -> Response {
+    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        r.headers_mut().insert(
+            header::CONNECTION,
+            axum::http::HeaderValue::from_static("close"),
+        );
+    }
+    r
+}
+
+/// What a generating endpoint answers, for `/openapi.json`.
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum Answered {
+    #[response(
+        status = 200,
+        description = "The answer: one JSON body, or a stream when `stream` is set"
+    )]
+    Answer,
+    #[response(
+        status = 400,
+        description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"
+    )]
+    Invalid,
+    #[response(status = 401, description = "A wrong or missing API key")]
+    Unauthorized,
+    #[response(status = 404, description = "A model shoal does not know")]
+    UnknownModel,
+    #[response(status = 413, description = "A body over 8 MiB")]
+    TooLarge,
+    #[response(status = 502, description = "The instance failed while answering")]
+    Broken,
+    #[response(
+        status = 503,
+        description = "The model has no ready instance, or its queue is full"
+    )]
+    Busy,
 }
 
 /// A request the node cannot take, with the status code it earns; each protocol writes
@@ -331,6 +376,48 @@ async fn status(State(api): State<Api>) -> Response {
     }
 }
 
+#[utoipa::path(get, path = "/v1/instances", tag = "shoal",
+    responses((status = 200, description = "Every instance: model, strategy, context, ranks (node, GPU, state), status")))]
+async fn instances(State(api): State<Api>) -> Response {
+    match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => Json(json!({ "instances": v["instances"] })).into_response(),
+        Err(r) => r.into_response(),
+    }
+}
+
+#[utoipa::path(delete, path = "/v1/instances/{id}", tag = "shoal",
+    params(("id" = String, Path, description = "The instance's id, as `/v1/instances` lists it")),
+    responses((status = 200, description = "`{\"deleted\": id}`: removed; its runners stop on every node"),
+        (status = 404, description = "No instance has that id"),
+        (status = 503, description = "No master to remove it yet")))]
+async fn delete_instance(
+    State(api): State<Api>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let status = match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => v,
+        Err(r) => return r.into_response(),
+    };
+    let known = status["instances"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|i| i["id"] == id.as_str());
+    if !known {
+        return error(StatusCode::NOT_FOUND, format!("no instance {id}"));
+    }
+    match ask(&api.calls, |reply| ApiCall::Delete {
+        instance: id,
+        reply,
+    })
+    .await
+    {
+        Ok(Ok(v)) => Json(v).into_response(),
+        Ok(Err(why)) => error(StatusCode::SERVICE_UNAVAILABLE, why),
+        Err(r) => r.into_response(),
+    }
+}
+
 #[derive(Deserialize, utoipa::ToSchema)]
 struct PlaceBody {
     model: String,
@@ -375,13 +462,7 @@ async fn place(
 }
 
 #[utoipa::path(post, path = "/v1/run", tag = "shoal", request_body(content = Object, description = "The runner's request: `prompt` or `messages`, `model`, sampling"),
-    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
-        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
-        (status = 401, description = "A wrong or missing API key"),
-        (status = 404, description = "A model shoal does not know"),
-        (status = 413, description = "A body over 8 MiB"),
-        (status = 503, description = "The model has no ready instance, or its queue is full"),
-        (status = 502, description = "The instance failed while answering")))]
+    responses(Answered))]
 async fn run(
     State(api): State<Api>,
     body: Result<Json<Value>, axum::extract::rejection::JsonRejection>,

@@ -1,7 +1,7 @@
 //! The Ollama protocol on the serving core, at the paths its clients expect:
 //! `POST /api/chat`, `POST /api/generate` (NDJSON streams by default, the last object with
 //! `done_reason` and the nanosecond durations; or one object with `"stream": false}`),
-//! `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `GET /api/version`.
+//! `GET /api/tags`, `POST /api/show`, `GET /api/ps`, `POST /api/pull`, `GET /api/version`.
 //!
 //! Requests are typed (wrong types are 400s; the fields Ollama's clients send are
 //! accepted, others refused); `options` carries the sampling parameters. What shoal
@@ -127,6 +127,10 @@ struct Options {
     #[serde(default)]
     repeat_penalty: Option<f32>,
     #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
     seed: Option<u64>,
     #[serde(default)]
     num_predict: Option<i64>,
@@ -152,6 +156,8 @@ fn apply(options: Option<Options>, r: &mut GenerateRequest) -> Result<(), Unsupp
     }
     r.min_p = o.min_p.unwrap_or(0.0);
     r.repetition_penalty = o.repeat_penalty.unwrap_or(1.0);
+    r.presence_penalty = o.presence_penalty.unwrap_or(0.0);
+    r.frequency_penalty = o.frequency_penalty.unwrap_or(0.0);
     r.seed = o.seed.unwrap_or(0);
     r.max_tokens = match o.num_predict {
         None => 128,
@@ -365,13 +371,7 @@ fn piece_lines(piece: Piece, head: &Head, out: &mut Vec<Out>) -> bool {
 }
 
 #[utoipa::path(post, path = "/api/chat", tag = "ollama", request_body = ChatRequest,
-    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
-        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
-        (status = 401, description = "A wrong or missing API key"),
-        (status = 404, description = "A model shoal does not know"),
-        (status = 413, description = "A body over 8 MiB"),
-        (status = 503, description = "The model has no ready instance, or its queue is full"),
-        (status = 502, description = "The instance failed while answering")))]
+    responses(super::Answered))]
 pub(crate) async fn chat(State(api): State<Api>, body: RawBody) -> Response {
     let parsed: ChatRequest = match read_json(body) {
         Ok(r) => r,
@@ -388,13 +388,7 @@ pub(crate) async fn chat(State(api): State<Api>, body: RawBody) -> Response {
 }
 
 #[utoipa::path(post, path = "/api/generate", tag = "ollama", request_body = GenerateBody,
-    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
-        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
-        (status = 401, description = "A wrong or missing API key"),
-        (status = 404, description = "A model shoal does not know"),
-        (status = 413, description = "A body over 8 MiB"),
-        (status = 503, description = "The model has no ready instance, or its queue is full"),
-        (status = 502, description = "The instance failed while answering")))]
+    responses(super::Answered))]
 pub(crate) async fn generate(State(api): State<Api>, body: RawBody) -> Response {
     let parsed: GenerateBody = match read_json(body) {
         Ok(r) => r,
@@ -564,6 +558,125 @@ pub(crate) async fn ps(State(api): State<Api>) -> Response {
         })
         .collect();
     Json(json!({ "models": models })).into_response()
+}
+
+/// `POST /api/pull`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub(crate) struct PullRequest {
+    /// The model (older clients call it `name`).
+    #[serde(default, alias = "name")]
+    model: String,
+    #[serde(default)]
+    stream: Option<bool>,
+    /// Accepted and not used: shoal's packages are checked by their sha256.
+    #[serde(default)]
+    #[allow(dead_code)]
+    insecure: bool,
+}
+
+/// How long a pull may take.
+const PULL_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1800);
+
+/// Where a pull stands, from the node's status.
+fn pull_state(status: &Value, model: &str) -> Result<Option<f64>, String> {
+    let have = status["nodes"].as_array().into_iter().flatten().any(|n| {
+        n["models"]
+            .as_array()
+            .is_some_and(|m| m.iter().any(|m| m == model))
+    });
+    if have {
+        return Ok(None);
+    }
+    if let Some(why) = status["fetch_failures"][model].as_str() {
+        return Err(why.to_string());
+    }
+    Ok(Some(status["fetches"][model].as_f64().unwrap_or(0.0)))
+}
+
+/// `POST /api/pull`: installs a known model on this node unless some node of the cluster
+/// has it, with Ollama's progress lines (`status`, `digest`, `total`, `completed`) and
+/// `{"status": "success"}` at the end.
+#[utoipa::path(post, path = "/api/pull", tag = "ollama", request_body = PullRequest,
+    responses((status = 200, description = "NDJSON progress, then success (or one object with `stream: false`)"),
+        (status = 400, description = "Malformed JSON or a wrong type"),
+        (status = 404, description = "A model shoal has no card for"),
+        (status = 502, description = "The pull failed")))]
+pub(crate) async fn pull(State(api): State<Api>, body: RawBody) -> Response {
+    let req: PullRequest = match read_json(body) {
+        Ok(r) => r,
+        Err(r) => return ollama_error(r.status, &r.message),
+    };
+    let Some(card) = shoal_store::find_card(&req.model) else {
+        let message = format!("model '{}' not found (see `shoal models`)", req.model);
+        return ollama_error(StatusCode::NOT_FOUND, &message);
+    };
+    let model = req.model.clone();
+    match ask(&api.calls, |reply| ApiCall::Pull { model, reply }).await {
+        Ok(Ok(())) => {}
+        Ok(Err(why)) => return ollama_error(StatusCode::NOT_FOUND, &why),
+        Err(r) => return ollama_error(r.status, &r.message),
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Result<Value, String>>();
+    let (calls, model) = (api.calls.clone(), req.model.clone());
+    tokio::spawn(async move {
+        let _ = tx.send(Ok(json!({ "status": "pulling manifest" })));
+        let deadline = tokio::time::Instant::now() + PULL_DEADLINE;
+        let digest = format!("sha256:{}", card.sha256);
+        let mut said = None;
+        loop {
+            let status = match ask(&calls, ApiCall::Status).await {
+                Ok(s) => s,
+                Err(r) => return drop(tx.send(Err(r.message))),
+            };
+            match pull_state(&status, &model) {
+                Ok(None) => {
+                    let _ = tx.send(Ok(json!({ "status": "verifying sha256 digest" })));
+                    return drop(tx.send(Ok(json!({ "status": "success" }))));
+                }
+                Err(why) => return drop(tx.send(Err(why))),
+                Ok(Some(f)) => {
+                    let completed = (f * card.size as f64) as u64;
+                    if said != Some(completed) {
+                        said = Some(completed);
+                        let line = json!({ "status": format!("pulling {}", &card.sha256[..12]),
+                            "digest": digest, "total": card.size, "completed": completed });
+                        if tx.send(Ok(line)).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return drop(tx.send(Err(format!("the pull of {model} did not end in time"))));
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        }
+    });
+    if req.stream == Some(false) {
+        let mut last = None;
+        while let Some(item) = rx.recv().await {
+            match item {
+                Ok(v) => last = Some(v),
+                Err(why) => return ollama_error(StatusCode::BAD_GATEWAY, &why),
+            }
+        }
+        return Json(last.unwrap_or(json!({ "status": "success" }))).into_response();
+    }
+    let lines = futures::stream::unfold((rx, false), |(mut rx, over)| async move {
+        if over {
+            return None;
+        }
+        match rx.recv().await {
+            Some(Ok(v)) => Some((Ok::<Bytes, std::io::Error>(line(&v)), (rx, false))),
+            // Ollama's clients read an error object and raise it.
+            Some(Err(why)) => Some((Ok(line(&json!({ "error": why }))), (rx, true))),
+            None => None,
+        }
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(Body::from_stream(lines))
+        .unwrap_or_else(|_| ollama_error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
 }
 
 /// `GET /api/version`.

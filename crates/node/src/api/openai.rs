@@ -4,7 +4,7 @@
 //!
 //! Requests are read into typed shapes that refuse unknown fields and wrong types (as
 //! OpenAI does), then turned into the runner's [`GenerateRequest`] by pure functions.
-//! A parameter shoal cannot honour yet (`n > 1`, `logprobs`, penalties, a forced tool
+//! A parameter shoal cannot honour yet (`n > 1`, `logprobs`, a forced tool
 //! choice, a JSON schema) is a 400 naming it, never silently ignored. Tools are rendered
 //! by the model's chat template; the calls the runner reads out of the answer come back
 //! as `tool_calls` (one delta per call when streamed) with `finish_reason: "tool_calls"`,
@@ -255,8 +255,10 @@ fn unsupported(param: &'static str, message: impl Into<String>) -> Unsupported {
     }
 }
 
-/// Refuses what is set but not honoured yet.
-fn refuse_unhonoured(
+/// Refuses `n` > 1 (one answer per request); takes the presence and frequency
+/// penalties within OpenAI's range.
+fn penalties(
+    r: &mut GenerateRequest,
     n: Option<usize>,
     presence: Option<f32>,
     frequency: Option<f32>,
@@ -264,17 +266,16 @@ fn refuse_unhonoured(
     if n.is_some_and(|n| n != 1) {
         return Err(unsupported("n", "only n = 1 is supported"));
     }
-    if presence.is_some_and(|p| p != 0.0) {
-        return Err(unsupported(
-            "presence_penalty",
-            "presence_penalty is not supported yet",
-        ));
+    let within = |v: f32| (-2.0..=2.0).contains(&v);
+    r.presence_penalty = presence.unwrap_or(0.0);
+    if !within(r.presence_penalty) {
+        let why = "presence_penalty must be within -2 and 2";
+        return Err(unsupported("presence_penalty", why));
     }
-    if frequency.is_some_and(|p| p != 0.0) {
-        return Err(unsupported(
-            "frequency_penalty",
-            "frequency_penalty is not supported yet",
-        ));
+    r.frequency_penalty = frequency.unwrap_or(0.0);
+    if !within(r.frequency_penalty) {
+        let why = "frequency_penalty must be within -2 and 2";
+        return Err(unsupported("frequency_penalty", why));
     }
     Ok(())
 }
@@ -336,7 +337,6 @@ fn text_of(content: Option<Content>) -> Result<String, Unsupported> {
 impl ChatRequest {
     /// The runner's request, and whether to stream with usage at the end.
     pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool, bool), Unsupported> {
-        refuse_unhonoured(self.n, self.presence_penalty, self.frequency_penalty)?;
         if self.logprobs == Some(true) || self.top_logprobs.is_some() {
             return Err(unsupported("logprobs", "logprobs are not supported yet"));
         }
@@ -386,6 +386,12 @@ impl ChatRequest {
             messages.push(message);
         }
         let mut r = GenerateRequest::new("");
+        penalties(
+            &mut r,
+            self.n,
+            self.presence_penalty,
+            self.frequency_penalty,
+        )?;
         r.messages = messages;
         r.tools = tools;
         r.model = Some(self.model);
@@ -407,7 +413,6 @@ impl ChatRequest {
 
 impl CompletionRequest {
     pub(crate) fn into_generate(self) -> Result<(GenerateRequest, bool, bool), Unsupported> {
-        refuse_unhonoured(self.n, self.presence_penalty, self.frequency_penalty)?;
         if self.logprobs.is_some() {
             return Err(unsupported("logprobs", "logprobs are not supported yet"));
         }
@@ -415,6 +420,12 @@ impl CompletionRequest {
             return Err(unsupported("echo", "echo is not supported"));
         }
         let mut r = GenerateRequest::new(self.prompt);
+        penalties(
+            &mut r,
+            self.n,
+            self.presence_penalty,
+            self.frequency_penalty,
+        )?;
         r.raw = true;
         r.model = Some(self.model);
         // OpenAI's legacy default is 16 tokens.
@@ -607,13 +618,7 @@ impl Head {
 }
 
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
-    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
-        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
-        (status = 401, description = "A wrong or missing API key"),
-        (status = 404, description = "A model shoal does not know"),
-        (status = 413, description = "A body over 8 MiB"),
-        (status = 503, description = "The model has no ready instance, or its queue is full"),
-        (status = 502, description = "The instance failed while answering")))]
+    responses(super::Answered))]
 pub(crate) async fn chat_completions(State(api): State<Api>, body: RawBody) -> Response {
     let request: ChatRequest = match read_json(body) {
         Ok(r) => r,
@@ -629,13 +634,7 @@ pub(crate) async fn chat_completions(State(api): State<Api>, body: RawBody) -> R
 }
 
 #[utoipa::path(post, path = "/v1/completions", tag = "openai", request_body = CompletionRequest,
-    responses((status = 200, description = "The answer: one JSON body, or a stream when `stream` is set"),
-        (status = 400, description = "Malformed JSON, a wrong type, an unknown field, a parameter shoal cannot honour, a prompt or max_tokens past the context"),
-        (status = 401, description = "A wrong or missing API key"),
-        (status = 404, description = "A model shoal does not know"),
-        (status = 413, description = "A body over 8 MiB"),
-        (status = 503, description = "The model has no ready instance, or its queue is full"),
-        (status = 502, description = "The instance failed while answering")))]
+    responses(super::Answered))]
 pub(crate) async fn completions(State(api): State<Api>, body: RawBody) -> Response {
     let request: CompletionRequest = match read_json(body) {
         Ok(r) => r,
@@ -855,8 +854,8 @@ mod tests {
         let base = || json!({"model": "m", "messages": [{"role": "user", "content": "a"}]});
         for (field, value, param) in [
             ("n", json!(2), "n"),
-            ("presence_penalty", json!(0.5), "presence_penalty"),
-            ("frequency_penalty", json!(0.5), "frequency_penalty"),
+            ("presence_penalty", json!(2.5), "presence_penalty"),
+            ("frequency_penalty", json!(-3), "frequency_penalty"),
             ("logprobs", json!(true), "logprobs"),
             ("tool_choice", json!("required"), "tool_choice"),
             (

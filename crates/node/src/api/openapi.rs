@@ -29,10 +29,13 @@ use crate::daemon::ApiCall;
         super::ollama::tags,
         super::ollama::show,
         super::ollama::ps,
+        super::ollama::pull,
         super::ollama::version,
         super::health,
         super::status,
         super::place,
+        super::instances,
+        super::delete_instance,
         super::run,
         super::metrics::metrics,
     )

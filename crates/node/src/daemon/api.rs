@@ -21,6 +21,9 @@ impl Daemon {
                     "waiting": r.load.waiting.load(std::sync::atomic::Ordering::Relaxed),
                 })
             }).collect::<Vec<_>>(),
+            // This node's model files on their way in, and the last failure of each.
+            "fetches": self.fetch_progress,
+            "fetch_failures": self.fetch_failures,
             "instances": self.state.instances.values().map(|i| {
                 // The token stays inside the cluster's state, out of status output.
                 let mut v = serde_json::to_value(i).unwrap_or_default();
@@ -75,6 +78,23 @@ impl Daemon {
                     let _ = reply.send(Err("no master yet; try again in a moment".into()));
                 }
             }
+            ApiCall::Pull { model, reply } => {
+                let _ = reply.send(self.pull(&model));
+            }
+            ApiCall::Delete { instance, reply } => {
+                if self.leading {
+                    let r = self
+                        .delete_now(&instance)
+                        .map(|()| serde_json::json!({ "deleted": instance }));
+                    let _ = reply.send(r);
+                } else if let Some(m) = self.master_peer() {
+                    let request = Request::Delete(instance);
+                    let id = self.swarm.behaviour_mut().rpc.send_request(&m, request);
+                    self.pending.insert(id, Pending::Place(reply));
+                } else {
+                    let _ = reply.send(Err("no master yet; try again in a moment".into()));
+                }
+            }
             ApiCall::Route {
                 model,
                 local_only,
@@ -83,6 +103,22 @@ impl Daemon {
                 let _ = reply.send(self.route(model.as_deref(), local_only));
             }
         }
+    }
+
+    /// Starts pulling `model` here unless some node has it or it is on its way already.
+    fn pull(&mut self, model: &str) -> Result<(), String> {
+        if shoal_store::find_card(model).is_none() {
+            return Err(format!("unknown model {model} (see `shoal models`)"));
+        }
+        let somewhere = self
+            .state
+            .nodes
+            .values()
+            .any(|n| n.models.iter().any(|m| m == model));
+        if !somewhere && !self.fetches.contains_key(model) {
+            self.start_pull(model);
+        }
+        Ok(())
     }
 
     /// An instance of `model` in the state, whatever its status.

@@ -227,6 +227,7 @@ impl Daemon {
             return;
         };
         tracing::info!(model, "no node has the model: pulling it");
+        self.fetch_failures.remove(model);
         let (store, reports) = (self.store.clone(), self.fetch_tx.clone());
         let name = model.to_string();
         let task = tokio::spawn(async move {
@@ -283,6 +284,7 @@ impl Daemon {
     pub(super) fn on_fetch(&mut self, report: FetchReport) {
         match report {
             FetchReport::Progress { model, fraction } => {
+                self.fetch_progress.insert(model.clone(), fraction);
                 for (instance, rank) in self.ranks_of(&model) {
                     self.command(Command::RankStatus {
                         instance,
@@ -293,10 +295,13 @@ impl Daemon {
             }
             FetchReport::Installed { model } => {
                 self.fetches.remove(&model);
+                self.fetch_progress.remove(&model);
                 tracing::info!(model, "model file installed and verified");
             }
             FetchReport::Failed { model, why, pull } => {
                 self.fetches.remove(&model);
+                self.fetch_progress.remove(&model);
+                self.fetch_failures.insert(model.clone(), why.clone());
                 tracing::warn!(model, why, "model file not installed");
                 // A copy is tried again after a pause (from the same or another peer);
                 // a pull that failed fails its ranks, so that the error shows in the

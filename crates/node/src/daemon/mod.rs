@@ -114,6 +114,16 @@ pub enum ApiCall {
         if_absent: bool,
         reply: oneshot::Sender<Result<serde_json::Value, String>>,
     },
+    /// Install a known model on this node unless some node has it (Ollama's pull).
+    Pull {
+        model: String,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    /// Remove an instance (through the master).
+    Delete {
+        instance: String,
+        reply: oneshot::Sender<Result<serde_json::Value, String>>,
+    },
     /// Where to send a request for `model`: a local rank 0 or the node that holds it.
     Route {
         model: Option<String>,
@@ -190,6 +200,10 @@ struct Daemon {
     /// Model files arriving (copies and pulls), each a task of its own.
     fetches: HashMap<String, tokio::task::JoinHandle<()>>,
     fetch_tx: mpsc::Sender<FetchReport>,
+    /// How far each arriving model file is (0..1), for `/v1/status` and `/api/pull`.
+    fetch_progress: HashMap<String, f32>,
+    /// The last failure of a model file that did not arrive, by model.
+    fetch_failures: HashMap<String, String>,
     /// Models whose copy failed lately, and until when not to try again.
     fetch_backoff: HashMap<String, Instant>,
     pending: HashMap<OutboundRequestId, Pending>,
@@ -300,6 +314,8 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         reports_tx,
         fetches: HashMap::new(),
         fetch_tx,
+        fetch_progress: HashMap::new(),
+        fetch_failures: HashMap::new(),
         fetch_backoff: HashMap::new(),
         pending: HashMap::new(),
         catching_up: false,

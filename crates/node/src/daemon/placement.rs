@@ -87,6 +87,23 @@ impl Daemon {
         }
     }
 
+    /// The master removes an instance a user deleted (and forgets any retry of its
+    /// model, so it is not placed again).
+    pub(super) fn delete_now(&mut self, instance: &str) -> Result<(), String> {
+        let Some(inst) = self.state.instances.get(instance) else {
+            return Err(format!("no instance {instance}"));
+        };
+        let model = inst.model.clone();
+        self.retry.remove(&model);
+        self.retry_strategy.remove(&model);
+        tracing::info!(instance, model, "deleting");
+        self.emit(Event::InstanceRemoved {
+            instance: instance.to_string(),
+            reason: "deleted".into(),
+        });
+        Ok(())
+    }
+
     pub(super) fn facts(model: &str) -> Result<(ModelFacts, ModelCard), String> {
         let card = find_card(model).ok_or_else(|| format!("unknown model {model:?}"))?;
         Ok((

@@ -231,6 +231,16 @@ impl Daemon {
             {
                 Response::Placed(self.placed(&req.model.name).expect("checked"))
             }
+            Request::Delete(id) => {
+                if !self.leading {
+                    Response::Refused("this node is not the master".into())
+                } else {
+                    match self.delete_now(&id) {
+                        Ok(()) => Response::Deleted(id),
+                        Err(e) => Response::Refused(e),
+                    }
+                }
+            }
             Request::Place(req) | Request::PlaceIfAbsent(req) => {
                 if !self.leading {
                     Response::Refused("this node is not the master".into())
@@ -280,6 +290,9 @@ impl Daemon {
                     self.state = state;
                     self.persist(None);
                 }
+            }
+            (Some(Pending::Place(reply)), Response::Deleted(id)) => {
+                let _ = reply.send(Ok(serde_json::json!({ "deleted": id })));
             }
             (Some(Pending::Place(reply)), Response::Placed(i)) => {
                 let _ = reply.send(serde_json::to_value(&i).map_err(|e| e.to_string()));
