@@ -171,7 +171,8 @@ print("ok")
 }
 
 /// schemathesis (pinned in `.ci/run`) against `/openapi.json`: requests generated from the
-/// schemas, valid and not, on every route but placing, deleting and pulling; none may get a 5xx, and the
+/// schemas, valid and not, on every route but placing, deleting, pulling and the endless
+/// `/events`; none may get a 5xx, and the
 /// instance serves the same afterwards. Bounded: 25 examples an operation, a short context.
 #[test]
 fn a_schema_driven_fuzz_run_finds_no_server_error() {
@@ -194,7 +195,7 @@ fn a_schema_driven_fuzz_run_finds_no_server_error() {
             "--request-timeout",
             "60",
             "--exclude-path-regex",
-            "^/(v1/(place|instances/)|api/pull)",
+            "^/(v1/(place|instances/)|api/pull|events)",
         ])
         .env("NO_COLOR", "1")
         .output()
@@ -379,8 +380,9 @@ print("ok", repr(text))
     );
 }
 
-/// Instances over HTTP: listed, deleted by id (the CLI's `shoal delete`), gone from the
-/// state and its runner stopped; an unknown id is a 404.
+/// Instances over HTTP: listed (and in `/state`), deleted by id (the CLI's `shoal
+/// delete`), the removal streamed by `/events`, gone from the state and its runner
+/// stopped; an unknown id is a 404.
 #[test]
 fn instances_are_listed_and_deleted_over_http() {
     let Some(bed) = Testbed::for_test(1) else {
@@ -409,6 +411,20 @@ fn instances_are_listed_and_deleted_over_http() {
         "http://127.0.0.1:52415/v1/instances/no-such-instance",
     ]);
     assert_eq!(code, "404", "an unknown instance");
+    let state = curl(&["-sf", "http://127.0.0.1:52415/state"]);
+    assert!(
+        state.contains(&id) && !state.contains("\"token\""),
+        "/state holds the instance and no token: {state}"
+    );
+    // The state's changes, as /events streams them while the instance is deleted.
+    let mut watch = c
+        .bed
+        .command(1, "curl")
+        .args(["-sN", "--max-time", "30", "http://127.0.0.1:52415/events"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("curl /events");
+    std::thread::sleep(std::time::Duration::from_millis(300));
     let out = node.cli(&["delete", &id]);
     assert!(
         out.status.success(),
@@ -424,6 +440,21 @@ fn instances_are_listed_and_deleted_over_http() {
                     && s["serving"].as_array().is_some_and(|r| r.is_empty())
             })
         },
+    );
+    let _ = watch.kill();
+    let mut seen = String::new();
+    use std::io::Read;
+    let _ = watch
+        .stdout
+        .take()
+        .expect("stdout")
+        .read_to_string(&mut seen);
+    let _ = watch.wait();
+    assert!(
+        seen.contains("event: state")
+            && seen.contains("instance_removed")
+            && seen.contains("deleted"),
+        "/events showed the removal: {seen}"
     );
     // With auto-placement off, the model is not placed again behind the user's back.
     let code = curl(&[

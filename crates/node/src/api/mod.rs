@@ -74,6 +74,8 @@ pub(crate) struct Api {
     streams: libp2p_stream::Control,
     /// Place a known model that has no instance when a request asks for it.
     auto_place: bool,
+    /// The state's changes, for `/events`.
+    events: tokio::sync::broadcast::Sender<String>,
 }
 
 /// The API key, kept as its digest: requests are compared in constant time.
@@ -140,11 +142,14 @@ pub async fn serve(
     streams: libp2p_stream::Control,
     key: Option<ApiKey>,
     auto_place: bool,
+    events: tokio::sync::broadcast::Sender<String>,
 ) {
     let app = Router::new()
         .route("/health", get(health))
         .route("/openapi.json", get(openapi::document))
         .route("/v1/status", get(status))
+        .route("/state", get(state))
+        .route("/events", get(state_events))
         .route("/v1/place", post(place))
         .route("/v1/instances", get(instances))
         .route("/v1/instances/{id}", axum::routing::delete(delete_instance))
@@ -167,6 +172,7 @@ pub async fn serve(
             streams,
             metrics: Default::default(),
             auto_place,
+            events,
         })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::map_response(close_after_unread_body))
@@ -374,6 +380,42 @@ async fn status(State(api): State<Api>) -> Response {
         Ok(v) => Json(v).into_response(),
         Err(r) => r.into_response(),
     }
+}
+
+#[utoipa::path(get, path = "/state", tag = "shoal",
+    responses((status = 200, description = "The state every node agrees on: term, index, nodes (resources, models, links) and instances")))]
+async fn state(State(api): State<Api>) -> Response {
+    match ask(&api.calls, ApiCall::Status).await {
+        Ok(v) => Json(json!({
+            "term": v["term"], "index": v["index"], "master_id": v["master_id"],
+            "nodes": v["nodes"], "instances": v["instances"],
+        }))
+        .into_response(),
+        Err(r) => r.into_response(),
+    }
+}
+
+#[utoipa::path(get, path = "/events", tag = "shoal",
+    responses((status = 200, description = "Server-sent events: `state` with every change the node applies (the master's events, in order, with their term and index; `snapshot` when a whole state was taken), `lagged` when this client fell behind (read `/state` again)", content_type = "text/event-stream")))]
+async fn state_events(State(api): State<Api>) -> Response {
+    use tokio::sync::broadcast::error::RecvError;
+    let rx = api.events.subscribe();
+    let body = futures::stream::unfold(rx, |mut rx| async move {
+        let out = match tokio::time::timeout(Duration::from_secs(15), rx.recv()).await {
+            Ok(Ok(e)) => format!("event: state\ndata: {e}\n\n"),
+            Ok(Err(RecvError::Lagged(n))) => {
+                format!("event: lagged\ndata: {{\"missed\": {n}}}\n\n")
+            }
+            Ok(Err(RecvError::Closed)) => return None,
+            Err(_) => ": keepalive\n\n".to_string(),
+        };
+        Some((Ok::<Bytes, std::io::Error>(Bytes::from(out)), rx))
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(body))
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "response"))
 }
 
 #[utoipa::path(get, path = "/v1/instances", tag = "shoal",

@@ -33,6 +33,8 @@ use crate::daemon::ApiCall;
         super::ollama::version,
         super::health,
         super::status,
+        super::state,
+        super::state_events,
         super::place,
         super::instances,
         super::delete_instance,

@@ -200,6 +200,9 @@ struct Daemon {
     /// Model files arriving (copies and pulls), each a task of its own.
     fetches: HashMap<String, tokio::task::JoinHandle<()>>,
     fetch_tx: mpsc::Sender<FetchReport>,
+    /// Every change of the state, as JSON, for `/events` (an event as applied, or a
+    /// `snapshot` notice when a whole state was taken).
+    events: tokio::sync::broadcast::Sender<String>,
     /// How far each arriving model file is (0..1), for `/v1/status` and `/api/pull`.
     fetch_progress: HashMap<String, f32>,
     /// The last failure of a model file that did not arrive, by model.
@@ -248,6 +251,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
     let store = Store::new(config.data_dir.clone()).with_pip_args(shoal_store::pip_args_from_env());
     let state = load_snapshot(&config.data_dir).unwrap_or_default();
     let (api_tx, mut api_rx) = mpsc::channel::<ApiCall>(64);
+    let (events, _) = tokio::sync::broadcast::channel::<String>(256);
     if config.api_key.is_none() && !config.http.ip().is_loopback() && !config.insecure {
         anyhow::bail!(
             "refusing to serve the API on {} without a key: give --api-key-file (or \
@@ -273,6 +277,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         streams.clone(),
         key,
         config.auto_place,
+        events.clone(),
     ));
     let (reports_tx, mut reports_rx) = mpsc::channel(256);
     let (fetch_tx, mut fetch_rx) = mpsc::channel(64);
@@ -314,6 +319,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         reports_tx,
         fetches: HashMap::new(),
         fetch_tx,
+        events,
         fetch_progress: HashMap::new(),
         fetch_failures: HashMap::new(),
         fetch_backoff: HashMap::new(),

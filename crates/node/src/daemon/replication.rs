@@ -130,9 +130,22 @@ impl Daemon {
             self.removed.insert(instance.clone(), reason.clone());
         }
         self.state = apply(&self.state, e);
+        let _ = self.events.send(public_event(e));
+    }
+
+    /// Tells `/events` listeners that the whole state was replaced.
+    pub(super) fn announce_snapshot(&self) {
+        let notice = serde_json::json!({
+            "term": self.state.term, "index": self.state.index, "event": { "event": "snapshot" },
+        });
+        let _ = self.events.send(notice.to_string());
     }
 
     pub(super) fn persist(&mut self, e: Option<&Indexed>) {
+        // Without an event the whole state was taken (or led under a new term).
+        if e.is_none() {
+            self.announce_snapshot();
+        }
         if let (Some(log), Some(e)) = (self.log.as_mut(), e)
             && let Ok(line) = serde_json::to_string(e)
         {
@@ -250,4 +263,13 @@ impl Daemon {
             }
         }
     }
+}
+
+/// An event as `/events` shows it: an instance's token stays inside the cluster.
+fn public_event(e: &Indexed) -> String {
+    let mut v = serde_json::to_value(e).unwrap_or_default();
+    if let Some(i) = v["event"]["instance"].as_object_mut() {
+        i.remove("token");
+    }
+    v.to_string()
 }
