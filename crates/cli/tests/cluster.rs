@@ -163,10 +163,12 @@ fn three_nodes_elect_one_master_share_state_and_keep_strangers_out() {
         n.start();
     }
     let refs: Vec<&Node> = nodes.iter().collect();
+    let mut agreed = None;
     eventually(Duration::from_secs(20), "one master, same state", || {
-        agree(&refs).is_some()
+        agreed = agree(&refs);
+        agreed.is_some()
     });
-    let (master, _) = agree(&refs).expect("agreement");
+    let (master, _) = agreed.expect("agreement");
     let ids: Vec<String> = nodes
         .iter()
         .filter_map(|n| {
