@@ -665,12 +665,20 @@ fn node_error(status: u16, body: &str) -> anyhow::Error {
 
 fn get_json(node: &str, path: &str) -> Result<serde_json::Value> {
     let url = format!("http://{node}{path}");
-    let resp = keyed(agent().get(&url))
+    let sent = keyed(agent().get(&url))
         .config()
         .timeout_global(Some(Duration::from_secs(30)))
         .build()
-        .call()
-        .with_context(|| format!("cannot reach the node at {node}"))?;
+        .call();
+    read_answer(node, sent)
+}
+
+/// A node's answer: its JSON body, or the error it answered with.
+fn read_answer(
+    node: &str,
+    sent: Result<ureq::http::Response<ureq::Body>, ureq::Error>,
+) -> Result<serde_json::Value> {
+    let resp = sent.with_context(|| format!("cannot reach the node at {node}"))?;
     let status = resp.status().as_u16();
     let body = resp.into_body().read_to_string()?;
     if status != 200 {
@@ -681,33 +689,22 @@ fn get_json(node: &str, path: &str) -> Result<serde_json::Value> {
 
 fn post_json(node: &str, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
     let url = format!("http://{node}{path}");
-    let resp = keyed(agent().post(&url))
+    let sent = keyed(agent().post(&url))
         .config()
         .timeout_global(Some(Duration::from_secs(60)))
         .build()
-        .send_json(body)
-        .with_context(|| format!("cannot reach the node at {node}"))?;
-    let status = resp.status().as_u16();
-    let text = resp.into_body().read_to_string()?;
-    if status != 200 {
-        return Err(node_error(status, &text));
-    }
-    Ok(serde_json::from_str(&text)?)
+        .send_json(body);
+    read_answer(node, sent)
 }
 
 fn delete(node: &str, instance: &str) -> Result<()> {
     let url = format!("http://{node}/v1/instances/{instance}");
-    let resp = keyed(agent().delete(&url))
+    let sent = keyed(agent().delete(&url))
         .config()
         .timeout_global(Some(Duration::from_secs(30)))
         .build()
-        .call()
-        .with_context(|| format!("cannot reach the node at {node}"))?;
-    let status = resp.status().as_u16();
-    let body = resp.into_body().read_to_string()?;
-    if status != 200 {
-        return Err(node_error(status, &body));
-    }
+        .call();
+    read_answer(node, sent)?;
     println!("deleted {instance}");
     Ok(())
 }

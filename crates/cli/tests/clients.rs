@@ -263,12 +263,8 @@ fn wheelhouse(bed: &Testbed, model: &str) -> std::path::PathBuf {
     wheels
 }
 
-/// Ollama's pull: the model installed on the node (not placed), with progress lines.
-#[test]
-fn ollamas_pull_installs_a_model_with_progress() {
-    let Some(bed) = Testbed::for_test(1) else {
-        return;
-    };
+/// A node with no model, whose pulls read a wheelhouse of `MODEL`; up, with a master.
+fn node_with_a_mirror(bed: Testbed) -> shoal_testbed::Cluster {
     let wheels = wheelhouse(&bed, MODEL);
     let mut c = shoal_testbed::Cluster::new(bed, bin());
     let mirror = format!("--no-index --find-links {}", wheels.display());
@@ -280,6 +276,17 @@ fn ollamas_pull_installs_a_model_with_progress() {
         "the node answers",
         || node.status().is_some_and(|s| s["master_id"].is_string()),
     );
+    c
+}
+
+/// Ollama's pull: the model installed on the node (not placed), with progress lines.
+#[test]
+fn ollamas_pull_installs_a_model_with_progress() {
+    let Some(bed) = Testbed::for_test(1) else {
+        return;
+    };
+    let c = node_with_a_mirror(bed);
+    let node = &c.nodes[0];
     let check = r#"
 import sys, ollama
 host, model = sys.argv[1], sys.argv[2]
@@ -323,17 +330,8 @@ fn a_request_for_a_model_installed_nowhere_is_pulled_placed_and_answered() {
     let Some(bed) = Testbed::for_test(1) else {
         return;
     };
-    let wheels = wheelhouse(&bed, MODEL);
-    let mut c = shoal_testbed::Cluster::new(bed, bin());
-    let mirror = format!("--no-index --find-links {}", wheels.display());
-    c.nodes[0].env("SHOAL_PIP_ARGS", &mirror);
-    c.start();
+    let c = node_with_a_mirror(bed);
     let node = &c.nodes[0];
-    shoal_testbed::eventually(
-        std::time::Duration::from_secs(30),
-        "the node answers",
-        || node.status().is_some_and(|s| s["master_id"].is_string()),
-    );
     let check = r#"
 import json, sys, urllib.request
 base, model = sys.argv[1], sys.argv[2]

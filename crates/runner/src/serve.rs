@@ -321,13 +321,15 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             let why = "the request has neither a prompt nor messages".to_string();
             return self.fail(id, ErrorKind::Invalid, why);
         }
-        let syntax = ToolCallSyntax::of(self.engine.tokenizer().chat_template());
-        let tools = match syntax {
-            _ if request.tools.is_empty() => None,
-            Some(syntax) => Some(syntax),
-            None => {
-                let why = "this model's chat template takes no tools".to_string();
-                return self.fail(id, ErrorKind::Invalid, why);
+        let tools = if request.tools.is_empty() {
+            None
+        } else {
+            match ToolCallSyntax::of(self.engine.tokenizer().chat_template()) {
+                Some(syntax) => Some(syntax),
+                None => {
+                    let why = "this model's chat template takes no tools".to_string();
+                    return self.fail(id, ErrorKind::Invalid, why);
+                }
             }
         };
         let prompt = match self.tokenize(request) {

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{Api, Refusal, ask, dispatch};
-use crate::daemon::{ApiCall, RouteError};
+use crate::daemon::{ApiCall, MAX_ATTEMPTS, RouteError};
 use crate::supervisor::{Failure, Piece};
 use shoal_runner::control::{ErrorKind, GenerateRequest};
 
@@ -145,8 +145,9 @@ fn progress(status: &Value, model: &str) -> Progress {
     else {
         return Progress::Unplaced;
     };
-    // A failed instance is placed again by the master, up to its third attempt.
-    if inst["status"]["state"] == "failed" && inst["attempt"].as_u64().unwrap_or(0) >= 3 {
+    // A failed instance is placed again by the master, up to its last attempt.
+    let attempts_left = inst["attempt"].as_u64().unwrap_or(0) < u64::from(MAX_ATTEMPTS);
+    if inst["status"]["state"] == "failed" && !attempts_left {
         let why = inst["status"]["reason"]
             .as_str()
             .unwrap_or("no reason given");

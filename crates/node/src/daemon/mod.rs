@@ -99,7 +99,7 @@ struct Seen {
     hb: Heartbeat,
 }
 /// Placements of a model after its instance failed, at most.
-const MAX_ATTEMPTS: u32 = 3;
+pub(crate) const MAX_ATTEMPTS: u32 = 3;
 
 /// Calls from the HTTP API into the loop.
 pub enum ApiCall {
