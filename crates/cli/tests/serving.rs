@@ -2,7 +2,8 @@
 //!
 //! - sixteen concurrent greedy requests (the eight prompts with the firmest margins,
 //!   twice each) get what each gets alone (the test prints each prompt's smallest top-2
-//!   logit margin over its answer: a near tie could flip under another kernel path);
+//!   logit margin over its answer: a near tie could flip under another kernel path), on
+//!   one host and over a pipeline of two;
 //! - a client that goes away is cancelled wherever its request is — waiting for room,
 //!   prefilling a 4000-token prompt, decoding — seen in the node's state within a step;
 //! - the peer system's ignored cancellation: a client gone a second into a 1500-token
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use shoal_engine::{Engine, GenerateParams, LoadOptions, Session};
-use shoal_testbed::{Cluster, Testbed, eventually, serving_one, succeed};
+use shoal_testbed::{Cluster, Testbed, eventually, serving_one, serving_split, succeed};
 use shoal_tokenizer::ChatMessage;
 
 const MODEL: &str = "smollm2-135m";
@@ -113,6 +114,22 @@ fn request(prompt: &str, max_tokens: usize) -> Value {
 fn sixteen_concurrent_greedy_answers_equal_each_alone() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let Some(c) = serving(&[], 512) else { return };
+    sixteen_concurrent_equal_each_alone(&c);
+}
+
+/// The same over a pipeline of two hosts, whose stages work on two micro-batches at
+/// once (rank 0's head makes the logits from the hidden rows the last stage sends).
+#[test]
+fn sixteen_concurrent_greedy_answers_over_a_pipeline_equal_each_alone() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(bed) = Testbed::for_test(2) else {
+        return;
+    };
+    let c = serving_split(bed, bin(), MODEL, 512, &[], &[], "pipeline");
+    sixteen_concurrent_equal_each_alone(&c);
+}
+
+fn sixteen_concurrent_equal_each_alone(c: &Cluster) {
     // Candidates; the sixteen with the firmest margins are asked (a near tie flips under
     // the batch's other order of sums, which is rounding, not a bug).
     let candidates = [
@@ -219,7 +236,7 @@ fn sixteen_concurrent_greedy_answers_equal_each_alone() {
     // All sixteen at once through the node.
     let streams: Vec<Stream> = prompts
         .iter()
-        .map(|p| Stream::open(&c, &request(p, TOKENS)))
+        .map(|p| Stream::open(c, &request(p, TOKENS)))
         .collect();
     let together: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = streams

@@ -151,6 +151,55 @@ fn even(total: usize, n: usize) -> Vec<usize> {
         .collect()
 }
 
+/// Layers of each pipeline rank, in rank order, for ranks whose speeds are `shares`.
+///
+/// Rank 0 holds the embedding and the head (the last stage sends it the hidden rows of
+/// the wanted positions, not whole logits rows), and the head's matmul runs for every
+/// answer token: on a small model it is a fifth of the work. A pipeline keeps pace with
+/// its slowest stage, so rank 0 takes fewer layers, until every stage costs about its
+/// share of `layers * layer_cost + head_cost`. Every rank keeps at least one layer.
+pub fn pipeline_layers(
+    layers: usize,
+    layer_cost: u64,
+    head_cost: u64,
+    shares: &[f64],
+) -> Result<Vec<usize>, String> {
+    let n = shares.len();
+    if n == 0 {
+        return Err("no ranks".into());
+    }
+    if n > layers {
+        return Err(format!(
+            "pipeline needs a layer per rank: {layers} layers, {n} ranks"
+        ));
+    }
+    if n == 1 {
+        return Ok(vec![layers]);
+    }
+    let sum: f64 = shares.iter().sum();
+    let total = (layers as u64 * layer_cost + head_cost) as f64;
+    let lc = layer_cost.max(1) as f64;
+    let first = ((total * shares[0] / sum - head_cost as f64) / lc).round();
+    let first = (first.max(1.0) as usize).min(layers - (n - 1));
+    // The rest by their shares, each at least one layer.
+    let rest = layers - first;
+    let rest_sum: f64 = shares[1..].iter().sum();
+    let mut out = vec![first];
+    let (mut acc, mut placed) = (0.0, 0);
+    for (i, s) in shares[1..].iter().enumerate() {
+        let left = n - 2 - i;
+        acc += s;
+        let upto = if left == 0 {
+            rest
+        } else {
+            ((rest as f64 * acc / rest_sum).round() as usize).clamp(placed + 1, rest - left)
+        };
+        out.push(upto - placed);
+        placed = upto;
+    }
+    Ok(out)
+}
+
 /// Bytes each of `n` ranks needs under `strategy`, or why the model cannot be split so.
 pub fn rank_memory(
     m: &ModelFacts,
@@ -177,21 +226,17 @@ pub fn rank_memory(
     );
     match strategy {
         Strategy::Pipeline => {
-            if n > m.layers {
-                return Err(format!(
-                    "pipeline needs a layer per rank: {} layers, {n} ranks",
-                    m.layers
-                ));
-            }
-            Ok(even(m.layers, n)
+            let split = pipeline_layers(m.layers, layer_params, embed_params, &vec![1.0; n])?;
+            Ok(split
                 .into_iter()
                 .enumerate()
                 .map(|(r, l)| {
                     let l = l as u64;
-                    let ends = if r == 0 || r == n - 1 {
-                        embed_params
-                    } else {
-                        0
+                    // Rank 0 holds the embedding and, split, the head beside it.
+                    let ends = match (r, n) {
+                        (0, 1) => embed_params,
+                        (0, _) => 2 * embed_params,
+                        _ => 0,
                     };
                     weights((l * layer_params + ends) as f64) + kv(l, kvh) + work(heads, ffn)
                 })
@@ -399,6 +444,32 @@ mod tests {
         let e = place(&s, &req(None, Some(9))).expect_err("9 ranks");
         assert!(e.0.contains("9 ranks"), "{e}");
         assert!(place(&ClusterState::default(), &req(None, None)).is_err());
+    }
+
+    #[test]
+    fn pipeline_stages_cost_alike_with_the_head_on_rank_0() {
+        // smollm2-135m: 30 layers of 3.54M parameters, a 28.3M head.
+        let split = pipeline_layers(30, 3_540_000, 28_300_000, &[1.0, 1.0]).expect("2");
+        assert_eq!(split, vec![11, 19]);
+        let cost = |r: usize, l: usize| l as u64 * 3_540_000 + if r == 0 { 28_300_000 } else { 0 };
+        let (a, b) = (cost(0, split[0]), cost(1, split[1]));
+        assert!(a.abs_diff(b) <= 3_540_000, "{a} vs {b}");
+        // Without a head to carry, an even split; shares move layers to the faster.
+        assert_eq!(pipeline_layers(30, 10, 0, &[1.0, 1.0]), Ok(vec![15, 15]));
+        assert_eq!(pipeline_layers(30, 10, 0, &[2.0, 1.0]), Ok(vec![20, 10]));
+        assert_eq!(pipeline_layers(9, 10, 0, &[1.0; 3]), Ok(vec![3, 3, 3]));
+        // A head heavier than a stage's share leaves rank 0 one layer, never none.
+        assert_eq!(pipeline_layers(4, 10, 1000, &[1.0, 1.0]), Ok(vec![1, 3]));
+        assert_eq!(pipeline_layers(3, 10, 1000, &[1.0; 3]), Ok(vec![1, 1, 1]));
+        assert_eq!(pipeline_layers(7, 10, 0, &[1.0]), Ok(vec![7]));
+        for n in 1..=7 {
+            let split = pipeline_layers(7, 10, 25, &vec![1.0; n]).expect("fits");
+            assert_eq!(split.len(), n);
+            assert_eq!(split.iter().sum::<usize>(), 7);
+            assert!(split.iter().all(|&l| l >= 1), "{split:?}");
+        }
+        assert!(pipeline_layers(2, 10, 0, &[1.0; 3]).is_err());
+        assert!(pipeline_layers(2, 10, 0, &[]).is_err());
     }
 
     #[test]

@@ -6,6 +6,11 @@
 //! asking side can tell a slow answer from a cut link or a frozen node: nothing for
 //! [`SILENCE`] ends the answer with an error naming the peer. A stream that closes
 //! before its `Done` is an error too: an answer is never cut silently.
+//!
+//! The serving side acknowledges a request with a keepalive as soon as it has read it.
+//! A stream that ends before that was never taken: libp2p-stream drops an incoming stream
+//! when the previous one has not been accepted yet (its queue holds one), which a burst
+//! of clients does. Such a request is sent again on a new stream, a few times.
 
 use std::time::Duration;
 
@@ -25,6 +30,8 @@ const KEEPALIVE: Duration = Duration::from_secs(1);
 pub const SILENCE: Duration = Duration::from_secs(5);
 /// How long opening a stream and sending the request may take.
 const OPEN: Duration = Duration::from_secs(10);
+/// Streams a request is sent on before the peer is said not to take it.
+const ATTEMPTS: u32 = 6;
 
 /// Takes forwarded requests from peers and answers them from a local rank 0.
 pub async fn serve(mut incoming: IncomingStreams, calls: mpsc::Sender<ApiCall>) {
@@ -42,6 +49,7 @@ async fn answer(stream: libp2p::Stream, calls: mpsc::Sender<ApiCall>) -> std::io
     let mut stream = futures::io::BufReader::new(stream);
     let req: Forward = read_line(&mut stream, OPEN).await?;
     let stream = stream.get_mut();
+    write_line(stream, &Piece::Keepalive).await?;
     let model = req.request.model.clone();
     let (reply, route) = oneshot::channel();
     let asked = calls
@@ -106,26 +114,29 @@ pub fn forward(
 ) -> mpsc::UnboundedReceiver<Piece> {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
-        let opened = tokio::time::timeout(OPEN, streams.open_stream(peer, p2p::GENERATE)).await;
-        let stream = match opened {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                let why = format!("cannot reach node {peer}, which holds rank 0: {e}");
-                let _ = tx.send(Piece::broken(why));
-                return;
-            }
-            Err(_) => {
-                let why = format!("node {peer}, which holds rank 0, did not answer in {OPEN:?}");
-                let _ = tx.send(Piece::broken(why));
-                return;
+        let forward = Forward { request };
+        let mut attempt = 0;
+        let mut stream = loop {
+            attempt += 1;
+            match send_request(&mut streams, peer, &forward).await {
+                Ok(s) => break s,
+                Err(Sent::Dropped) if attempt < ATTEMPTS => {
+                    tracing::debug!(%peer, attempt, "the peer dropped the request's stream; again");
+                    tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
+                }
+                Err(Sent::Dropped) => {
+                    let why = format!(
+                        "node {peer}, which holds rank 0, dropped the request {ATTEMPTS} times"
+                    );
+                    let _ = tx.send(Piece::broken(why));
+                    return;
+                }
+                Err(Sent::Failed(why)) => {
+                    let _ = tx.send(Piece::broken(why));
+                    return;
+                }
             }
         };
-        let mut stream = futures::io::BufReader::new(stream);
-        if let Err(e) = write_line(stream.get_mut(), &Forward { request }).await {
-            let why = format!("cannot send the request to node {peer}: {e}");
-            let _ = tx.send(Piece::broken(why));
-            return;
-        }
         loop {
             let read = tokio::select! {
                 r = read_line::<Piece, _>(&mut stream, SILENCE) => r,
@@ -148,4 +159,54 @@ pub fn forward(
         }
     });
     rx
+}
+
+/// Why a request did not get through.
+enum Sent {
+    /// The stream ended before the peer acknowledged it: it was never taken.
+    Dropped,
+    /// Anything else, said for the client.
+    Failed(String),
+}
+
+/// Opens a stream to `peer`, sends the request and waits for its acknowledgement; the
+/// stream, ready for the answer's pieces.
+async fn send_request(
+    streams: &mut libp2p_stream::Control,
+    peer: PeerId,
+    forward: &Forward,
+) -> Result<futures::io::BufReader<libp2p::Stream>, Sent> {
+    let opened = tokio::time::timeout(OPEN, streams.open_stream(peer, p2p::GENERATE)).await;
+    let stream = match opened {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(Sent::Failed(format!(
+                "cannot reach node {peer}, which holds rank 0: {e}"
+            )));
+        }
+        Err(_) => {
+            return Err(Sent::Failed(format!(
+                "node {peer}, which holds rank 0, did not answer in {OPEN:?}"
+            )));
+        }
+    };
+    let mut stream = futures::io::BufReader::new(stream);
+    if let Err(e) = write_line(stream.get_mut(), forward).await {
+        return Err(Sent::Failed(format!(
+            "cannot send the request to node {peer}: {e}"
+        )));
+    }
+    match read_line::<Piece, _>(&mut stream, OPEN).await {
+        Ok(Piece::Keepalive) => Ok(stream),
+        Ok(other) => Err(Sent::Failed(format!(
+            "node {peer} answered a forwarded request with {other:?} before taking it"
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(Sent::Dropped),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Err(Sent::Failed(format!(
+            "node {peer}, which holds rank 0, did not take the request in {OPEN:?}"
+        ))),
+        Err(e) => Err(Sent::Failed(format!(
+            "the link to node {peer} (rank 0) broke before it took the request: {e}"
+        ))),
+    }
 }

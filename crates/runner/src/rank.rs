@@ -41,6 +41,17 @@ pub type Result<T, E = RankError> = std::result::Result<T, E>;
 /// requests; a dead or frozen rank 0 is still noticed in seconds by the heartbeats.
 pub const IDLE_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// What rank 0 still has to do for a step it started: a pipeline's rank 0 sends the
+/// hidden rows on and is free for the next micro-batch while the later stages work.
+#[derive(Debug)]
+pub enum Pending {
+    /// Finished here: the logits, if any were wanted.
+    Done(Option<Tensor>),
+    /// The last stage sends the hidden rows of the `rows` wanted positions; rank 0's head
+    /// turns them into logits (`many`: the rows are several sequences').
+    Head { rows: usize, many: bool },
+}
+
 /// One rank of a model instance: its shard, the KV caches of its sequences, its links.
 pub struct Rank<T: Transport> {
     spec: ShardSpec,
@@ -323,6 +334,13 @@ impl<T: Transport> Rank<T> {
     /// Rank 0: checks the step, tells every rank, and executes it; returns the logits of
     /// a forward step.
     pub fn lead(&mut self, step: &Step) -> Result<Option<Tensor>> {
+        let pending = self.start(step)?;
+        self.finish(pending)
+    }
+
+    /// Rank 0: [`Rank::lead`] up to where rank 0's own share of the step is done. Steps
+    /// started must be finished in the order they were started.
+    pub fn start(&mut self, step: &Step) -> Result<Pending> {
         if self.spec.rank != 0 {
             return Err(RankError::Protocol("only rank 0 leads".into()));
         }
@@ -354,6 +372,22 @@ impl<T: Transport> Rank<T> {
         let mut bytes = step.encode();
         self.group.broadcast(0, &mut bytes)?;
         self.execute(step)
+    }
+
+    /// Rank 0: the rest of a started step; its logits.
+    pub fn finish(&mut self, pending: Pending) -> Result<Option<Tensor>> {
+        match pending {
+            Pending::Done(logits) => Ok(logits),
+            Pending::Head { rows, many } => {
+                let last = self.spec.world - 1;
+                let b = self.group.recv(last)?;
+                let c = self.model.compute();
+                let h = to_tensor(&b, rows, self.model.config().hidden_size, last)?
+                    .to_dtype(c.dtype)?
+                    .to_device(&c.device)?;
+                Ok(Some(self.logits_of_rows(&h, many)?))
+            }
+        }
     }
 
     /// Refuses what every rank would fail on alike: no tokens, a token outside the
@@ -395,7 +429,7 @@ impl<T: Transport> Rank<T> {
         }
     }
 
-    fn execute(&mut self, step: &Step) -> Result<Option<Tensor>> {
+    fn execute(&mut self, step: &Step) -> Result<Pending> {
         match step {
             Step::Forward {
                 seq,
@@ -415,26 +449,26 @@ impl<T: Transport> Rank<T> {
                     .ok_or_else(|| RankError::Protocol(format!("no sequence {from} to fork")))?;
                 let copy = source.fork(*len as usize)?;
                 self.caches.insert(*to, copy);
-                Ok(None)
+                Ok(Pending::Done(None))
             }
             Step::Reset { seq } => {
                 if let Some(c) = self.caches.get_mut(seq) {
                     c.clear();
                 }
-                Ok(None)
+                Ok(Pending::Done(None))
             }
             Step::Release { seq } => {
                 self.caches.remove(seq);
-                Ok(None)
+                Ok(Pending::Done(None))
             }
-            Step::Shutdown => Ok(None),
+            Step::Shutdown => Ok(Pending::Done(None)),
         }
     }
 
     /// One forward pass over the parts' new tokens; the wanted logits rows in part order.
-    fn execute_batch(&mut self, parts: &[Part]) -> Result<Option<Tensor>> {
+    fn execute_batch(&mut self, parts: &[Part]) -> Result<Pending> {
         if parts.is_empty() {
-            return Ok(None);
+            return Ok(Pending::Done(None));
         }
         let mut caches: Vec<KvCache> = parts
             .iter()
@@ -459,8 +493,10 @@ impl<T: Transport> Rank<T> {
         let started = std::time::Instant::now();
         let result = match self.spec.strategy {
             Strategy::Pipeline => self.forward_pipeline(&mut caches, parts),
-            Strategy::Tensor => self.forward_tensor(&mut caches, parts),
-            Strategy::Sequence => self.forward_sequence_batch(&mut caches, parts),
+            Strategy::Tensor => self.forward_tensor(&mut caches, parts).map(Pending::Done),
+            Strategy::Sequence => self
+                .forward_sequence_batch(&mut caches, parts)
+                .map(Pending::Done),
         };
         // NCCL work is queued on the GPU: wait for it, so that a step ends when its
         // reductions did, and an abort by the watchdog fails this step.
@@ -492,26 +528,20 @@ impl<T: Transport> Rank<T> {
 
     /// The logits of the rows `parts` want (none: nothing is computed).
     fn head_rows(&self, h: Tensor, parts: &[Part]) -> Result<Option<Tensor>> {
-        let rows = wanted_rows(parts);
-        if rows.is_empty() {
-            return Ok(None);
+        match wanted_hidden(h, parts)? {
+            Some(h) => Ok(Some(self.logits_of_rows(&h, parts.len() > 1)?)),
+            None => Ok(None),
         }
-        let h = if rows.len() == h.dim(0)? {
-            h
-        } else if let [only] = rows[..] {
-            h.narrow(0, only as usize, 1)?
+    }
+
+    /// The head over hidden rows: several sequences' last rows (`many`) each as it would
+    /// be alone; one part's rows (a prompt scored whole) as one matmul.
+    fn logits_of_rows(&self, h: &Tensor, many: bool) -> Result<Tensor> {
+        Ok(if many {
+            self.model.head_each(h)?
         } else {
-            let idx = Tensor::new(rows.as_slice(), h.device())?;
-            h.index_select(&idx, 0)?
-        };
-        // Several sequences' last rows: each as it would be alone; one part's rows (a
-        // prompt scored whole): as one matmul.
-        let logits = if parts.len() > 1 {
-            self.model.head_each(&h)?
-        } else {
-            self.model.head(&h)?
-        };
-        Ok(Some(logits))
+            self.model.head(h)?
+        })
     }
 
     /// The logits `want` asks for, of one sequence's rows.
@@ -537,17 +567,14 @@ impl<T: Transport> Rank<T> {
             .collect()
     }
 
-    /// Hidden states flow rank 0 → 1 → … → last; the last rank computes the wanted
-    /// logits and returns them to rank 0.
-    fn forward_pipeline(
-        &mut self,
-        caches: &mut [KvCache],
-        parts: &[Part],
-    ) -> Result<Option<Tensor>> {
+    /// Hidden states flow rank 0 → 1 → … → last; the last rank sends rank 0 the hidden
+    /// rows of the wanted positions, and rank 0's head makes their logits (a few KB a
+    /// token, where logits rows are hundreds). Rank 0 is done with its share once it has
+    /// sent its layers' output on: it can start the next micro-batch meanwhile.
+    fn forward_pipeline(&mut self, caches: &mut [KvCache], parts: &[Part]) -> Result<Pending> {
         let (r, n) = (self.spec.rank, self.spec.world);
         let t: usize = parts.iter().map(|p| p.tokens.len()).sum();
         let hidden = self.model.config().hidden_size;
-        let vocab = self.model.config().vocab_size;
         let h = if r == 0 {
             self.model.embed(&all_tokens(parts))?
         } else {
@@ -561,22 +588,23 @@ impl<T: Transport> Rank<T> {
         let h = self.model.forward_layers_batch(h, &mut batch, None)?;
         if r + 1 < n {
             self.group.send(r + 1, &to_bytes(&h)?)?;
-        } else {
-            let logits = self.head_rows(h, parts)?;
-            if r == 0 {
-                return Ok(logits);
-            }
-            if let Some(logits) = logits {
-                self.group.send(0, &to_bytes(&logits)?)?;
-            }
-            return Ok(None);
+            let rows = wanted_rows(parts).len();
+            return Ok(if r == 0 && rows > 0 {
+                Pending::Head {
+                    rows,
+                    many: parts.len() > 1,
+                }
+            } else {
+                Pending::Done(None)
+            });
         }
-        let rows = wanted_rows(parts).len();
-        if r == 0 && rows > 0 {
-            let b = self.group.recv(n - 1)?;
-            return Ok(Some(to_tensor(&b, rows, vocab, n - 1)?));
+        if r == 0 {
+            return Ok(Pending::Done(self.head_rows(h, parts)?));
         }
-        Ok(None)
+        if let Some(h) = wanted_hidden(h, parts)? {
+            self.group.send(0, &to_bytes(&h)?)?;
+        }
+        Ok(Pending::Done(None))
     }
 
     /// Every rank runs its slice of every layer on the same hidden states; the partial
@@ -719,6 +747,20 @@ fn all_tokens(parts: &[Part]) -> Vec<u32> {
         .iter()
         .flat_map(|p| p.tokens.iter().copied())
         .collect()
+}
+
+/// The hidden rows whose logits `parts` want, in order (`None`: no part wants any).
+fn wanted_hidden(h: Tensor, parts: &[Part]) -> Result<Option<Tensor>> {
+    let rows = wanted_rows(parts);
+    Ok(match rows[..] {
+        [] => None,
+        _ if rows.len() == h.dim(0)? => Some(h),
+        [only] => Some(h.narrow(0, only as usize, 1)?),
+        _ => {
+            let idx = Tensor::new(rows.as_slice(), h.device())?;
+            Some(h.index_select(&idx, 0)?)
+        }
+    })
 }
 
 /// The rows of a batch whose logits its parts want, in order.

@@ -25,6 +25,9 @@ pub struct Limits {
     pub kv_positions: usize,
     /// Requests that may wait for admission; past it, new ones are refused.
     pub max_queue: usize,
+    /// Steps in flight at once: a pipeline's stages, each on a micro-batch of its own
+    /// (1: every step runs on all ranks together).
+    pub stages: usize,
 }
 
 /// A request waiting for admission.
@@ -48,8 +51,10 @@ pub struct Running {
     pub id: u64,
     pub prompt: usize,
     pub max_new: usize,
-    /// Prompt tokens already through the model.
+    /// Prompt tokens already through the model (or sent into it by a step in flight).
     pub prefilled: usize,
+    /// In a step in flight that will return its logits: nothing to feed it until then.
+    pub in_flight: bool,
 }
 
 impl Running {
@@ -59,6 +64,7 @@ impl Running {
             prompt: w.prompt,
             max_new: w.max_new,
             prefilled: 0,
+            in_flight: false,
         }
     }
 
@@ -84,6 +90,15 @@ pub enum Work {
         len: usize,
         last: bool,
     },
+}
+
+impl Work {
+    /// The request it is part of.
+    pub fn id(&self) -> u64 {
+        match *self {
+            Self::Decode { id } | Self::Prefill { id, .. } => id,
+        }
+    }
 }
 
 /// Whether a new request may wait for admission.
@@ -114,18 +129,26 @@ pub fn fits_at_all(w: &Waiting, limits: &Limits) -> bool {
 
 /// The next step: every decoding sequence's token, then prompt slices oldest first
 /// within what is left of the token budget and at most `prompt_tokens` of them (see
-/// [`prompt_budget`]). Empty when nothing runs.
+/// [`prompt_budget`]). Empty when nothing is ready.
+///
+/// Sequences in flight wait for their logits. Over a pipeline of k stages a step takes
+/// at most a k-th of the streams (rounded up), so that k micro-batches of about equal
+/// size keep every stage busy; a prompt's slices need no logits until the last, so they
+/// may follow each other through the stages.
 pub fn next_step(running: &[Running], limits: &Limits, prompt_tokens: usize) -> Vec<Work> {
+    let streams = running.iter().filter(|r| r.decoding()).count();
+    let share = streams.div_ceil(limits.stages.max(1));
     let mut work: Vec<Work> = running
         .iter()
-        .filter(|r| r.decoding())
+        .filter(|r| r.decoding() && !r.in_flight)
+        .take(share)
         .map(|r| Work::Decode { id: r.id })
         .collect();
     let mut left = limits
         .step_tokens
         .saturating_sub(work.len())
         .min(prompt_tokens.max(1));
-    for r in running.iter().filter(|r| !r.decoding()) {
+    for r in running.iter().filter(|r| !r.decoding() && !r.in_flight) {
         if left == 0 {
             break;
         }
@@ -213,6 +236,7 @@ mod tests {
             max_batch: 4,
             kv_positions: 1000,
             max_queue: 8,
+            stages: 1,
         }
     }
 
@@ -230,6 +254,7 @@ mod tests {
             prompt,
             max_new: 10,
             prefilled,
+            in_flight: false,
         }
     }
 
@@ -333,6 +358,7 @@ mod tests {
             prompt: 300,
             max_new: 300,
             prefilled: 300,
+            in_flight: false,
         }];
         let w = [
             waiting(1, 100, 100),
@@ -384,6 +410,55 @@ mod tests {
                 .collect();
             assert_eq!(ids, vec![0, 1, 2, 3]);
         }
+    }
+
+    fn ids(work: &[Work]) -> Vec<u64> {
+        work.iter().map(Work::id).collect()
+    }
+
+    #[test]
+    fn a_pipeline_keeps_a_micro_batch_per_stage_in_flight() {
+        let l = Limits {
+            stages: 2,
+            ..limits()
+        };
+        // Eight streams over two stages: two micro-batches of four.
+        let mut r: Vec<Running> = (0..8).map(|i| running(i, 2, 2)).collect();
+        let a = next_step(&r, &l, usize::MAX);
+        assert_eq!(ids(&a), vec![0, 1, 2, 3]);
+        for s in &mut r[..4] {
+            s.in_flight = true;
+        }
+        let b = next_step(&r, &l, usize::MAX);
+        assert_eq!(ids(&b), vec![4, 5, 6, 7]);
+        for s in &mut r[4..] {
+            s.in_flight = true;
+        }
+        assert!(next_step(&r, &l, usize::MAX).is_empty(), "both stages busy");
+        // The first comes back: its four go again, the others still wait.
+        for s in &mut r[..4] {
+            s.in_flight = false;
+        }
+        assert_eq!(ids(&next_step(&r, &l, usize::MAX)), vec![0, 1, 2, 3]);
+        // An odd count: shares of five and four; one stream alone goes alone.
+        let r: Vec<Running> = (0..9).map(|i| running(i, 2, 2)).collect();
+        assert_eq!(next_step(&r, &l, usize::MAX).len(), 5);
+        assert_eq!(next_step(&r[..1], &l, usize::MAX).len(), 1);
+        // A prompt's slices follow each other through the stages; one whose last slice
+        // is in flight (it waits for its first token's logits) sits out.
+        let mut r = vec![running(1, 100, 40)];
+        assert_eq!(
+            next_step(&r, &l, usize::MAX),
+            vec![Work::Prefill {
+                id: 1,
+                start: 40,
+                len: 16,
+                last: false
+            }]
+        );
+        r[0].prefilled = 100;
+        r[0].in_flight = true;
+        assert!(next_step(&r, &l, usize::MAX).is_empty());
     }
 
     #[test]

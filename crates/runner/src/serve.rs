@@ -39,6 +39,7 @@ impl ServeConfig {
                 max_batch,
                 kv_positions: context.saturating_mul(max_batch),
                 max_queue: 4 * max_batch.max(16),
+                stages: 1,
             },
             prefix_positions: 4 * context,
             gap_bound: 2.0,
@@ -136,6 +137,8 @@ struct Seq<'e> {
     first_token: Option<Instant>,
     /// Reads the model's tool calls out of its text, when the request offered tools.
     tools: Option<Tools>,
+    /// In a step in flight that returns its logits.
+    in_flight: bool,
 }
 
 /// The names of the functions offered (OpenAI's shape).
@@ -221,6 +224,7 @@ impl Seq<'_> {
             prompt: self.prompt.len(),
             max_new: self.max_new,
             prefilled: self.prefilled,
+            in_flight: self.in_flight,
         }
     }
 
@@ -259,6 +263,18 @@ struct Serving<'e, 'm, T: Transport> {
     prefixes: Prefixes,
     /// What steps have cost: sizes prompt slices beside streams.
     costs: StepCosts,
+    /// Steps started on the ranks, oldest first: one per pipeline stage at most.
+    flights: VecDeque<Flight>,
+}
+
+/// A step started on the ranks and not yet back.
+struct Flight {
+    /// The requests whose logits rows it returns, in row order.
+    sampling: Vec<u64>,
+    started: Instant,
+    decoding: usize,
+    prompt_tokens: usize,
+    budget: usize,
 }
 
 /// Serves until the node closes the inbox (Ok) or the instance breaks (Err, after every
@@ -270,6 +286,8 @@ pub fn serve<T: Transport>(
     send: &dyn Fn(FromRunner) -> bool,
     config: ServeConfig,
 ) -> Result<(), EngineError> {
+    let mut config = config;
+    config.limits.stages = model.stages();
     let mut s = Serving {
         engine,
         model,
@@ -280,11 +298,12 @@ pub fn serve<T: Transport>(
         reported: (0, 0, 0),
         prefixes: Prefixes::default(),
         costs: StepCosts::default(),
+        flights: VecDeque::new(),
     };
     loop {
         // Block only when there is nothing to compute.
         s.report_load();
-        if s.waiting.is_empty() && s.running.is_empty() {
+        if s.waiting.is_empty() && s.running.is_empty() && s.flights.is_empty() {
             match inbox.recv() {
                 Ok(m) => s.on_message(m),
                 Err(_) => return Ok(()),
@@ -299,7 +318,11 @@ pub fn serve<T: Transport>(
         }
         s.admit();
         s.report_load();
-        s.step()?;
+        // Keep a step in flight per stage; when they all are (or nothing else is ready),
+        // take the oldest one's logits.
+        if !s.start_step()? {
+            s.finish_step()?;
+        }
         s.report_load();
     }
 }
@@ -382,6 +405,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 stream: ToolCallStream::new(function_names(&request.tools)),
                 ..Tools::default()
             }),
+            in_flight: false,
         };
         let limits = &self.config.limits;
         if !fits_at_all(&seq.waiting(), limits) {
@@ -436,6 +460,8 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 (self.send)(s.done(FinishReason::Cancelled));
             }
         } else if let Some(at) = self.running.iter().position(|s| s.id == id) {
+            // Steps in flight with its tokens are ahead of the release on every rank;
+            // their rows for it are dropped when they come back.
             let mut s = self.running.remove(at);
             s.decoder.cancel();
             let _ = self.model.release(s.seq);
@@ -493,31 +519,33 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         }
     }
 
-    /// One forward step over what the scheduler picks; each sequence wanting logits gets
-    /// its row, samples and says what it made.
-    fn step(&mut self) -> Result<(), EngineError> {
+    /// Starts a step over what the scheduler picks, if a stage is free and anything is
+    /// ready; returns whether it did.
+    fn start_step(&mut self) -> Result<bool, EngineError> {
+        if self.flights.len() >= self.config.limits.stages.max(1) {
+            return Ok(false);
+        }
         let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
         let decoding = running.iter().filter(|r| r.decoding()).count();
         let limits = &self.config.limits;
         let budget = prompt_budget(&self.costs, decoding, self.config.gap_bound, limits);
         let work = next_step(&running, limits, budget);
         if work.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
-        let started = Instant::now();
-        let prompt_tokens: usize = work
-            .iter()
-            .map(|w| match w {
-                Work::Prefill { len, .. } => *len,
-                Work::Decode { .. } => 0,
-            })
-            .sum();
-        // Indices into `running` of the parts that want logits, in part order.
-        let mut sampling = Vec::new();
+        let mut flight = Flight {
+            sampling: Vec::new(),
+            started: Instant::now(),
+            decoding: 0,
+            prompt_tokens: 0,
+            budget,
+        };
         let mut parts = Vec::with_capacity(work.len());
+        let mut prefilled = Vec::new();
         for w in &work {
             let (id, tokens, logits) = match *w {
                 Work::Decode { id } => {
+                    flight.decoding += 1;
                     let s = self.by_id(id);
                     (id, vec![s.next.unwrap_or(0)], Logits::Last)
                 }
@@ -527,16 +555,17 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                     len,
                     last,
                 } => {
+                    flight.prompt_tokens += len;
+                    prefilled.push((id, len));
                     let s = self.by_id(id);
                     let tokens = s.prompt[start..start + len].to_vec();
                     (id, tokens, if last { Logits::Last } else { Logits::None })
                 }
             };
-            let i = self.index(id);
             if logits != Logits::None {
-                sampling.push(i);
+                flight.sampling.push(id);
             }
-            let s = &self.running[i];
+            let s = self.by_id(id);
             parts.push(Part {
                 seq: s.seq,
                 tokens,
@@ -544,39 +573,56 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                 reserve: u32::try_from(s.prompt.len() + s.max_new).unwrap_or(u32::MAX),
             });
         }
-        let prefilled: Vec<(usize, usize)> = work
-            .iter()
-            .filter_map(|w| match *w {
-                Work::Prefill { id, len, .. } => Some((self.index(id), len)),
-                Work::Decode { .. } => None,
-            })
-            .collect();
-        shoal_kernels::ThreadPool::global().set_background(bulk(decoding, prompt_tokens));
-        let logits = match self.model.forward_batch(parts) {
-            Ok(l) => l,
-            Err(e) => return self.step_failed(e),
-        };
-        for (i, len) in prefilled {
+        let background = bulk(flight.decoding, flight.prompt_tokens);
+        shoal_kernels::ThreadPool::global().set_background(background);
+        if let Err(e) = self.model.submit(parts) {
+            let ids: Vec<u64> = work.iter().map(Work::id).collect();
+            self.step_failed(e, &ids)?;
+            return Ok(true);
+        }
+        for (id, len) in prefilled {
+            let i = self.index(id);
             self.running[i].prefilled += len;
         }
-        let Some(logits) = logits else {
-            self.observe(started, decoding, prompt_tokens, budget);
+        for &id in &flight.sampling {
+            let i = self.index(id);
+            self.running[i].in_flight = true;
+        }
+        self.flights.push_back(flight);
+        Ok(true)
+    }
+
+    /// Takes the oldest step's logits: each sequence still here samples its row and says
+    /// what it made; the finished leave.
+    fn finish_step(&mut self) -> Result<(), EngineError> {
+        let Some(flight) = self.flights.pop_front() else {
             return Ok(());
         };
+        let logits = match self.model.collect() {
+            Ok(l) => l,
+            Err(e) => return self.step_failed(e, &flight.sampling),
+        };
         let mut finished = Vec::new();
-        for (row, &i) in sampling.iter().enumerate() {
-            let s = &mut self.running[i];
-            let out = s.decoder.step(&logits.narrow(0, row, 1)?)?;
-            s.first_token.get_or_insert_with(Instant::now);
-            s.emit(out.text, self.send);
-            s.next = out.next;
-            if out.next.is_none() {
-                finished.push(i);
+        if let Some(logits) = logits {
+            for (row, &id) in flight.sampling.iter().enumerate() {
+                // Cancelled while its step was in flight.
+                let Some(i) = self.running.iter().position(|s| s.id == id) else {
+                    continue;
+                };
+                let s = &mut self.running[i];
+                s.in_flight = false;
+                let out = s.decoder.step(&logits.narrow(0, row, 1)?)?;
+                s.first_token.get_or_insert_with(Instant::now);
+                s.emit(out.text, self.send);
+                s.next = out.next;
+                if out.next.is_none() {
+                    finished.push(id);
+                }
             }
         }
-        self.observe(started, decoding, prompt_tokens, budget);
-        finished.sort_unstable();
-        for i in finished.into_iter().rev() {
+        self.observe(&flight);
+        for id in finished {
+            let i = self.index(id);
             let mut s = self.running.remove(i);
             let why = s.decoder.finished().unwrap_or(FinishReason::Length);
             let done = s.finish(why, self.send);
@@ -590,15 +636,16 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     }
 
     /// A step's time, for the costs that size the next ones' prompt slices.
-    fn observe(&mut self, started: Instant, decoding: usize, prompt_tokens: usize, budget: usize) {
-        let ms = started.elapsed().as_secs_f64() * 1e3;
-        self.costs.observe(decoding, prompt_tokens, ms);
+    fn observe(&mut self, f: &Flight) {
+        let ms = f.started.elapsed().as_secs_f64() * 1e3;
+        self.costs.observe(f.decoding, f.prompt_tokens, ms);
+        let (decoding, prompt_tokens, budget) = (f.decoding, f.prompt_tokens, f.budget);
         tracing::debug!(decoding, prompt_tokens, budget, ms, "step");
     }
 
-    /// A step the ranks refused (nothing ran: the sequences in it fail, the rest go on)
-    /// or one that broke the instance (everyone is told; the runner leaves).
-    fn step_failed(&mut self, e: EngineError) -> Result<(), EngineError> {
+    /// A step the ranks refused (nothing ran: the requests `ids` in it fail, the rest go
+    /// on) or one that broke the instance (everyone is told; the runner leaves).
+    fn step_failed(&mut self, e: EngineError, ids: &[u64]) -> Result<(), EngineError> {
         if let Some(why) = self.model.broken() {
             let message = format!("the instance failed: {why}");
             for s in self.running.drain(..).chain(self.waiting.drain(..)) {
@@ -608,15 +655,19 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
                     message: message.clone(),
                 });
             }
+            self.flights.clear();
             return Err(e);
         }
-        for s in self.running.drain(..) {
-            (self.send)(FromRunner::Error {
-                id: s.id,
-                kind: ErrorKind::Invalid,
-                message: e.to_string(),
-            });
-            let _ = self.model.release(s.seq);
+        for &id in ids {
+            if let Some(i) = self.running.iter().position(|s| s.id == id) {
+                let s = self.running.remove(i);
+                (self.send)(FromRunner::Error {
+                    id: s.id,
+                    kind: ErrorKind::Invalid,
+                    message: e.to_string(),
+                });
+                let _ = self.model.release(s.seq);
+            }
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
 //! Shard plans: which part of the model each rank holds.
 
 pub use shoal_cluster::Strategy;
+use shoal_cluster::placement::pipeline_layers;
 use shoal_model::{LoadSpec, ModelConfig, tensor_slices};
 
 use crate::RankError;
@@ -40,29 +41,26 @@ pub fn plan_weighted(
     let n = config.num_layers;
     let loads: Vec<LoadSpec> = match strategy {
         Strategy::Pipeline => {
-            if world > n {
-                return Err(RankError::Plan(format!(
-                    "pipeline over {world} ranks needs at least {world} layers; the model has {n}"
-                )));
-            }
-            let total: f64 = shares.iter().sum();
-            let mut bounds = vec![0];
-            let mut acc = 0.0;
-            for (i, s) in shares.iter().enumerate().take(world - 1) {
-                acc += s;
-                let b = ((n as f64 * acc / total).round() as usize)
-                    .clamp(bounds[i] + 1, n - (world - 1 - i));
-                bounds.push(b);
-            }
-            bounds.push(n);
-            bounds
-                .windows(2)
+            let h = config.hidden_size as u64;
+            let q = (config.num_heads * config.head_dim) as u64;
+            let kv = (config.num_kv_heads * config.head_dim) as u64;
+            let layer = h * (2 * q + 2 * kv) + 3 * h * config.ffn_size as u64;
+            let head = config.vocab_size as u64 * h;
+            let split = pipeline_layers(n, layer, head, shares).map_err(RankError::Plan)?;
+            let mut first = 0;
+            split
+                .into_iter()
                 .enumerate()
-                .map(|(r, w)| LoadSpec {
-                    embed: r == 0,
-                    layers: w[0]..w[1],
-                    head: r == world - 1,
-                    tensor: None,
+                .map(|(r, l)| {
+                    let layers = first..first + l;
+                    first += l;
+                    // Rank 0 holds the head: the last stage sends it hidden rows.
+                    LoadSpec {
+                        embed: r == 0,
+                        layers,
+                        head: r == 0,
+                        tensor: None,
+                    }
                 })
                 .collect()
         }

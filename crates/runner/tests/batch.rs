@@ -1,6 +1,7 @@
 //! Continuous batching computes what each sequence computes alone: sixteen sequences
 //! joining at different steps, prompts in chunks beside other sequences' decode tokens,
-//! batches of 1 to 16 parts, every strategy at 1, 2 and 3 ranks, on generated models.
+//! batches of 1 to 16 parts, every strategy at 1, 2 and 3 ranks, on generated models;
+//! over a pipeline also as micro-batches, one per stage in flight at once.
 
 mod common;
 
@@ -73,10 +74,16 @@ fn alone(path: &std::path::Path) -> Vec<Vec<Vec<Vec<f32>>>> {
         .collect()
 }
 
-/// The same, as batched steps on a model split `world` ways.
+/// The same, as batched steps on a model split `world` ways, each step's parts as
+/// `micro` micro-batches started together and collected in turn.
 // `got` is indexed by sequence and step alike.
 #[allow(clippy::needless_range_loop)]
-fn batched(path: &std::path::Path, strategy: Strategy, world: usize) -> Vec<Vec<Vec<Vec<f32>>>> {
+fn batched(
+    path: &std::path::Path,
+    strategy: Strategy,
+    world: usize,
+    micro: usize,
+) -> Vec<Vec<Vec<Vec<f32>>>> {
     let (model, handles) = start_split(path, strategy, world);
     let seqs: Vec<u64> = (0..SEQS).map(|_| model.open()).collect();
     let mut got = vec![vec![Vec::new(); STEPS]; SEQS];
@@ -93,19 +100,27 @@ fn batched(path: &std::path::Path, strategy: Strategy, world: usize) -> Vec<Vec<
             })
             .collect();
         sizes.push(parts.len());
-        let logits = model.forward_batch(parts.clone()).expect("batch");
-        let rows = logits.map_or(Vec::new(), |l| l.to_vec2::<f32>().expect("rows"));
-        let mut at = 0;
-        for (&i, p) in members.iter().zip(&parts) {
-            let n = match p.logits {
-                Logits::All => p.tokens.len(),
-                Logits::Last => 1,
-                Logits::None => 0,
-            };
-            got[i][k] = rows[at..at + n].to_vec();
-            at += n;
+        // Micro-batch m holds the members m, m + micro, m + 2 micro, …
+        let groups: Vec<Vec<usize>> = (0..micro)
+            .map(|m| (m..members.len()).step_by(micro).collect())
+            .filter(|g: &Vec<usize>| !g.is_empty())
+            .collect();
+        if micro == 1 {
+            let logits = model.forward_batch(parts.clone()).expect("batch");
+            take_rows(&mut got, k, &members, &parts, logits);
+        } else {
+            for g in &groups {
+                let sub = g.iter().map(|&j| parts[j].clone()).collect();
+                model.submit(sub).expect("submit");
+            }
+            assert_eq!(model.in_flight(), groups.len());
+            for g in &groups {
+                let logits = model.collect().expect("collect");
+                let mine: Vec<usize> = g.iter().map(|&j| members[j]).collect();
+                let sub: Vec<Part> = g.iter().map(|&j| parts[j].clone()).collect();
+                take_rows(&mut got, k, &mine, &sub, logits);
+            }
         }
-        assert_eq!(at, rows.len(), "step {k}: rows left over");
         if k == 6 {
             for i in (0..SEQS).filter(|i| i % 3 == 0) {
                 model.release(seqs[i]).expect("release");
@@ -120,12 +135,42 @@ fn batched(path: &std::path::Path, strategy: Strategy, world: usize) -> Vec<Vec<
     got
 }
 
+/// Files a step's logits rows under their sequences.
+fn take_rows(
+    got: &mut [Vec<Vec<Vec<f32>>>],
+    k: usize,
+    members: &[usize],
+    parts: &[Part],
+    logits: Option<candle_core::Tensor>,
+) {
+    let rows = logits.map_or(Vec::new(), |l| l.to_vec2::<f32>().expect("rows"));
+    let mut at = 0;
+    for (&i, p) in members.iter().zip(parts) {
+        let n = match p.logits {
+            Logits::All => p.tokens.len(),
+            Logits::Last => 1,
+            Logits::None => 0,
+        };
+        got[i][k] = rows[at..at + n].to_vec();
+        at += n;
+    }
+    assert_eq!(at, rows.len(), "step {k}: rows left over");
+}
+
 fn check(strategy: Strategy) {
     for dtype in [GgmlDType::F32, GgmlDType::Q8_0] {
         let path = model_file(Architecture::Llama, dtype);
         let want = alone(&path);
-        for world in [1, 2, 3] {
-            let got = batched(&path, strategy, world);
+        let runs = [1, 2, 3].into_iter().flat_map(|world| {
+            let micro = if strategy == Strategy::Pipeline && world > 1 {
+                vec![1, world]
+            } else {
+                vec![1]
+            };
+            micro.into_iter().map(move |m| (world, m))
+        });
+        for (world, micro) in runs {
+            let got = batched(&path, strategy, world, micro);
             // f32: rounding only (a batched matmul sums in another order). Quantized:
             // activations are rounded to 8 bits before each product, so a last-bit
             // difference can move a value by a quantization step (see split.rs).
@@ -136,7 +181,7 @@ fn check(strategy: Strategy) {
                     assert_eq!(
                         w.len(),
                         g.len(),
-                        "{strategy} {world} {dtype:?}: seq {i} step {k} rows"
+                        "{strategy} {world} ({micro} in flight) {dtype:?}: seq {i} step {k} rows"
                     );
                     for (wr, gr) in w.iter().zip(g) {
                         let scale = wr.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
@@ -146,7 +191,7 @@ fn check(strategy: Strategy) {
                             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                         assert!(
                             err <= tolerance * scale,
-                            "{strategy} {world} ranks {dtype:?}: seq {i} step {k} differs by {err} (scale {scale})"
+                            "{strategy} {world} ranks ({micro} in flight) {dtype:?}: seq {i} step {k} differs by {err} (scale {scale})"
                         );
                     }
                 }

@@ -33,7 +33,9 @@ use std::time::Duration;
 
 pub use process::{Proc, children};
 pub use relay::Shape;
-pub use shoal::{Cluster, Node, eventually, install_from_store, serving_one, succeed};
+pub use shoal::{
+    Cluster, Node, eventually, install_from_store, serving_one, serving_split, succeed,
+};
 
 /// What went wrong making or driving the testbed.
 #[derive(Debug, thiserror::Error)]

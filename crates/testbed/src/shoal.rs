@@ -236,7 +236,6 @@ impl Drop for Cluster {
     }
 }
 
-/// Waits until `check` holds, at most `within`; returns how long it took.
 /// One host's node up with a ready single-node instance of `model` (installed from the
 /// local store first): the start of every test of serving on one machine.
 pub fn serving_one(
@@ -247,20 +246,49 @@ pub fn serving_one(
     args: &[&str],
     env: &[(&str, &str)],
 ) -> Cluster {
+    serving_split(bed, bin, model, ctx, args, env, "pipeline")
+}
+
+/// A node on every host of `bed`, each with `model` installed and started with `args`
+/// and `env`, and one instance of it split over all of them by `strategy` (on one host:
+/// the whole model), ready.
+pub fn serving_split(
+    bed: crate::Testbed,
+    bin: &Path,
+    model: &str,
+    ctx: usize,
+    args: &[&str],
+    env: &[(&str, &str)],
+    strategy: &str,
+) -> Cluster {
     let mut c = Cluster::new(bed, bin);
-    install_from_store(bin, model, &c.nodes[0].dir);
-    c.nodes[0].args(args);
-    for (k, v) in env {
-        c.nodes[0].env(k, v);
+    for node in &mut c.nodes {
+        install_from_store(bin, model, &node.dir);
+        node.args(args);
+        for (k, v) in env {
+            node.env(k, v);
+        }
     }
     c.start();
+    let hosts = c.nodes.len();
     let node = &c.nodes[0];
-    eventually(Duration::from_secs(30), "the node answers", || {
-        node.status().is_some_and(|s| s["master_id"].is_string())
+    eventually(Duration::from_secs(30), "the nodes meet", || {
+        node.status().is_some_and(|s| {
+            s["master_id"].is_string() && s["nodes"].as_array().is_some_and(|n| n.len() == hosts)
+        })
     });
-    let ctx = ctx.to_string();
+    let (ctx, ranks) = (ctx.to_string(), hosts.to_string());
     succeed(
-        node.cli(&["place", model, "--ctx", &ctx, "--nodes", "1"]),
+        node.cli(&[
+            "place",
+            model,
+            "--ctx",
+            &ctx,
+            "--nodes",
+            &ranks,
+            "--strategy",
+            strategy,
+        ]),
         "shoal place",
     );
     eventually(Duration::from_secs(60), "the instance ready", || {
@@ -275,6 +303,7 @@ pub fn serving_one(
     c
 }
 
+/// Waits until `check` holds, at most `within`; returns how long it took.
 pub fn eventually(within: Duration, what: &str, mut check: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
     while !check() {
