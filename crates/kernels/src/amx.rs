@@ -295,7 +295,7 @@ fn fill_panel(w: &QuantMatrix, r0: usize, panel: &mut [u16], row: &mut Unpacked)
             }
             continue;
         }
-        unpack_row_with(Isa::Avx2, w.block_type(), w.row(r0 + i), row);
+        unpack_row_with(Isa::Avx2, w.block_type(), &w.row(r0 + i), row);
         // SAFETY: AVX-512 F/BF16 come with `supported`; `row` holds k values and the
         // panel PANEL rows of k.
         unsafe { to_bf16(row, w.block_type().signed(), panel, i) };

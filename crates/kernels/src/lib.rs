@@ -17,6 +17,7 @@ mod amx;
 mod blocks;
 mod dot;
 mod fused;
+mod lanes;
 mod matmul;
 mod pool;
 mod tile;

@@ -1,5 +1,6 @@
 //! Quantized weight matrices, quantized activations, and the threaded product.
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 
 use crate::blocks::{BlockType, Unpacked, unpack_row_with};
@@ -12,7 +13,20 @@ pub struct QuantMatrix {
     ty: BlockType,
     rows: usize,
     cols: usize,
+    /// GGUF's blocks, row after row (empty when `lanes` holds the weights).
     data: Vec<u8>,
+    /// The same weights repacked for the lane kernel, on machines that run it.
+    #[cfg(target_arch = "x86_64")]
+    lanes: Option<crate::lanes::Lanes>,
+}
+
+/// Whether matrices of `ty` are repacked for the lane kernel: on AVX-512 VNNI machines,
+/// unless `SHOAL_LANES=0` (to compare with GGUF's layout).
+#[cfg(target_arch = "x86_64")]
+fn repack(ty: BlockType) -> bool {
+    crate::lanes::takes(ty)
+        && matches!(Isa::detect(), Isa::Avx512Vnni | Isa::Amx)
+        && std::env::var("SHOAL_LANES").map_or(true, |v| v != "0")
 }
 
 impl QuantMatrix {
@@ -33,11 +47,24 @@ impl QuantMatrix {
                 actual: data.len(),
             });
         }
+        #[cfg(target_arch = "x86_64")]
+        if repack(ty) {
+            let lanes = crate::lanes::Lanes::pack(ty, rows, cols, &data);
+            return Ok(Self {
+                ty,
+                rows,
+                cols,
+                data: Vec::new(),
+                lanes: Some(lanes),
+            });
+        }
         Ok(Self {
             ty,
             rows,
             cols,
             data,
+            #[cfg(target_arch = "x86_64")]
+            lanes: None,
         })
     }
 
@@ -54,18 +81,36 @@ impl QuantMatrix {
     }
 
     pub fn size_in_bytes(&self) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(l) = &self.lanes {
+            return l.size_in_bytes();
+        }
         self.data.len()
     }
 
-    /// The bytes of row `r`.
-    pub fn row(&self, r: usize) -> &[u8] {
+    /// The GGUF bytes of row `r` (rebuilt from the lane layout when the matrix is in it).
+    pub fn row(&self, r: usize) -> Cow<'_, [u8]> {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(l) = &self.lanes {
+            let mut out = Vec::new();
+            l.gguf_row(r, &mut out);
+            return Cow::Owned(out);
+        }
         let n = self.ty.row_bytes(self.cols);
-        &self.data[r * n..(r + 1) * n]
+        Cow::Borrowed(&self.data[r * n..(r + 1) * n])
     }
 
     /// Row `r` as f32.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        crate::dequantize_row(self.ty, self.row(r), out);
+        crate::dequantize_row(self.ty, &self.row(r), out);
+    }
+
+    /// The lane layout, when the matrix is in it and `isa` runs the lane kernel.
+    #[cfg(target_arch = "x86_64")]
+    fn lanes_for(&self, isa: Isa) -> Option<&crate::lanes::Lanes> {
+        self.lanes
+            .as_ref()
+            .filter(|_| matches!(isa, Isa::Avx512Vnni | Isa::Amx))
     }
 }
 
@@ -216,6 +261,21 @@ pub fn matmul_with(
         crate::amx::matmul(pool, w, x, t, out);
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(lanes) = w.lanes_for(isa) {
+        let acts = crate::lanes::LaneActs::of(&Activations::quantize(x, t, w.cols)?);
+        let n = w.rows;
+        let threads = pool.size().min(n).max(1);
+        let per = n.div_ceil(threads);
+        let out_addr = out.as_mut_ptr() as usize;
+        pool.run(&|i| {
+            let (start, end) = ((i * per).min(n), ((i + 1) * per).min(n));
+            // SAFETY: the Isa is available (checked above) and has VNNI; this thread
+            // owns rows start..end of every token's output.
+            unsafe { crate::lanes::rows(lanes, &acts, start..end, out_addr as *mut f32) };
+        });
+        return Ok(());
+    }
     let acts = Activations::quantize(x, t, w.cols)?;
     // The AVX-512 register tiles compute every row as the single-token kernel does, bit
     // for bit; elsewhere, rows pinned to the 8-bit paths (different sequences' decode
@@ -250,7 +310,7 @@ pub fn matmul_with(
                 *row = Unpacked::with_cols(w.cols);
             }
             for r in start..end {
-                unpack_row_with(isa, w.ty, w.row(r), &mut row);
+                unpack_row_with(isa, w.ty, &w.row(r), &mut row);
                 let mut tok = 0;
                 while tok < t {
                     let take = (t - tok).min(4);
@@ -303,7 +363,9 @@ unsafe fn decode_rows(
     let mut r = range.start;
     while r < range.end {
         let take = (range.end - r).min(crate::fused::rows_per_pass());
-        let rows: [&[u8]; crate::fused::ROWS] = std::array::from_fn(|i| w.row(r + i.min(take - 1)));
+        let owned: [Cow<'_, [u8]>; crate::fused::ROWS] =
+            std::array::from_fn(|i| w.row(r + i.min(take - 1)));
+        let rows: [&[u8]; crate::fused::ROWS] = std::array::from_fn(|i| &*owned[i]);
         let mut tok = 0;
         while tok < acts.rows() {
             let with = match isa {
@@ -392,6 +454,11 @@ pub fn matmul_many_with(
         return Ok(());
     }
     let acts = Activations::quantize(x, 1, cols)?;
+    #[cfg(target_arch = "x86_64")]
+    let lane_acts = ws
+        .iter()
+        .any(|w| w.lanes_for(isa).is_some())
+        .then(|| crate::lanes::LaneActs::of(&acts));
     let total: usize = ws.iter().map(|w| w.rows).sum();
     let threads = pool.size().min(total).max(1);
     let per = total.div_ceil(threads);
@@ -406,7 +473,11 @@ pub fn matmul_many_with(
                 // SAFETY: the Isa is available and not Scalar (checked above); each thread
                 // writes only its own share of the concatenated rows.
                 unsafe {
-                    decode_rows(isa, w, &acts, lo - first..hi - first, out as *mut f32)
+                    let range = lo - first..hi - first;
+                    match (w.lanes_for(isa), &lane_acts) {
+                        (Some(l), Some(x)) => crate::lanes::rows(l, x, range, out as *mut f32),
+                        _ => decode_rows(isa, w, &acts, range, out as *mut f32),
+                    }
                 };
             }
             first += w.rows;

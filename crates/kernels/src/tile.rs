@@ -101,7 +101,7 @@ fn fill_panel(w: &QuantMatrix, r0: usize, used: usize, panel: &mut [Unpacked]) {
             row.bias.fill(0.0);
             continue;
         }
-        unpack_row_with(Isa::Avx2, ty, w.row(r0 + i), row);
+        unpack_row_with(Isa::Avx2, ty, &w.row(r0 + i), row);
         if ty == BlockType::Q8_0 {
             for q in &mut row.q {
                 *q ^= 0x80;

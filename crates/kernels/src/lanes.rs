@@ -1,0 +1,352 @@
+//! Weights repacked at load so that each 32-bit lane of a 512-bit product holds one whole
+//! block (AVX-512 VNNI; Q4_0, Q4_1 and Q8_0).
+//!
+//! In GGUF's layout a `vpdpbusd` over 64 consecutive weights sums two blocks, each over
+//! eight lanes, so every product is converted to floats and scaled at once: per 64
+//! weights and token a product, a convert, a permute and an FMA (`wide`). Here the
+//! blocks of a row go in groups of 16, and product `v` of a group takes bytes `4v..4v+4`
+//! of each of its 16 blocks, lane `j` from block `j`: after the whole group (8 products
+//! of 64 weights) lane `j` holds block `j`'s integer dot product, and one convert and two
+//! FMAs (the scales, and the bias terms against the activations' block sums) finish 512
+//! weights. The activations are transposed alike once per call ([`LaneActs`]).
+//!
+//! Every (row, token) pair is computed by the same operations in the same order, however
+//! many rows and tokens share the call, so a token's result is bit for bit the one it
+//! gets alone. A row's last group may hold fewer than 16 blocks: it is stored without
+//! padding and read with masked loads.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use crate::BlockType;
+use crate::matmul::Activations;
+
+/// Blocks per group: one per lane.
+const LANES: usize = 16;
+
+/// Whether `ty` can be repacked.
+pub(crate) fn takes(ty: BlockType) -> bool {
+    matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0)
+}
+
+/// A matrix of 32-weight blocks in the lane layout: `w = d·u + c` per block, `u` the
+/// unsigned quant (Q8_0's bytes offset by 128).
+#[derive(Clone, Debug)]
+pub(crate) struct Lanes {
+    ty: BlockType,
+    rows: usize,
+    blocks: usize,
+    groups: usize,
+    /// Quant bytes per block: 16 (two 4-bit weights a byte) or 32.
+    qbytes: usize,
+    q: Vec<u8>,
+    /// Per row, per group: the blocks' f16 scales, then (Q4_1) their f16 offsets. As
+    /// many bytes as GGUF's: the lane layout costs no memory.
+    h: Vec<u16>,
+    /// f16 values per block: 1, or 2 with Q4_1's offset.
+    hpb: usize,
+}
+
+impl Lanes {
+    /// Repacks `rows` rows of GGUF blocks of type `ty` (one of [`takes`]).
+    pub(crate) fn pack(ty: BlockType, rows: usize, cols: usize, data: &[u8]) -> Self {
+        let blocks = cols / 32;
+        let groups = blocks.div_ceil(LANES);
+        let qbytes = if ty == BlockType::Q8_0 { 32 } else { 16 };
+        let bb = ty.block_bytes();
+        let mut q = vec![0u8; rows * blocks * qbytes];
+        let hpb = if ty == BlockType::Q4_1 { 2 } else { 1 };
+        let mut h = vec![0u16; rows * blocks * hpb];
+        for r in 0..rows {
+            let row = &data[r * blocks * bb..(r + 1) * blocks * bb];
+            for b in 0..blocks {
+                let blk = &row[b * bb..(b + 1) * bb];
+                let (g, j) = (b / LANES, b % LANES);
+                let n = (blocks - g * LANES).min(LANES);
+                let half = |i: usize| u16::from_le_bytes([blk[i], blk[i + 1]]);
+                let quants = match ty {
+                    BlockType::Q4_0 => &blk[2..18],
+                    BlockType::Q4_1 => &blk[4..20],
+                    _ => &blk[2..34],
+                };
+                let at = r * blocks * hpb + g * LANES * hpb;
+                h[at + j] = half(0);
+                if hpb == 2 {
+                    h[at + n + j] = half(2);
+                }
+                let base = r * blocks * qbytes + g * LANES * qbytes;
+                for v in 0..qbytes / 4 {
+                    for i in 0..4 {
+                        let byte = quants[4 * v + i];
+                        let byte = if ty == BlockType::Q8_0 {
+                            byte ^ 0x80
+                        } else {
+                            byte
+                        };
+                        q[base + v * n * 4 + j * 4 + i] = byte;
+                    }
+                }
+            }
+        }
+        Self {
+            ty,
+            rows,
+            blocks,
+            groups,
+            qbytes,
+            q,
+            h,
+            hpb,
+        }
+    }
+
+    /// Row `r` in GGUF's layout again (the other kernels and the embedding read it).
+    pub(crate) fn gguf_row(&self, r: usize, out: &mut Vec<u8>) {
+        let bb = self.ty.block_bytes();
+        out.clear();
+        out.resize(self.blocks * bb, 0);
+        for b in 0..self.blocks {
+            let (g, j) = (b / LANES, b % LANES);
+            let n = (self.blocks - g * LANES).min(LANES);
+            let at = r * self.blocks * self.hpb + g * LANES * self.hpb;
+            let blk = &mut out[b * bb..(b + 1) * bb];
+            blk[0..2].copy_from_slice(&self.h[at + j].to_le_bytes());
+            let first = if self.hpb == 2 {
+                blk[2..4].copy_from_slice(&self.h[at + n + j].to_le_bytes());
+                4
+            } else {
+                2
+            };
+            let base = r * self.blocks * self.qbytes + g * LANES * self.qbytes;
+            for v in 0..self.qbytes / 4 {
+                for i in 0..4 {
+                    let byte = self.q[base + v * n * 4 + j * 4 + i];
+                    let byte = if self.ty == BlockType::Q8_0 {
+                        byte ^ 0x80
+                    } else {
+                        byte
+                    };
+                    blk[first + 4 * v + i] = byte;
+                }
+            }
+        }
+    }
+
+    pub(crate) fn size_in_bytes(&self) -> usize {
+        self.q.len() + 2 * self.h.len()
+    }
+}
+
+/// Activations transposed as [`Lanes`] reads them: per token and group, 8 vectors of 64
+/// bytes (vector `v`, lane `j`: bytes `4v..4v+4` of block `j`), zeros past the last
+/// block; the blocks' scales and `d·Σq` sums, 16 per group.
+pub(crate) struct LaneActs {
+    groups: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+impl LaneActs {
+    pub(crate) fn of(acts: &Activations) -> Self {
+        let blocks = acts.cols() / 32;
+        let groups = blocks.div_ceil(LANES);
+        let t = acts.rows();
+        let mut q = vec![0i8; t * groups * 512];
+        let mut d = vec![0f32; t * groups * LANES];
+        let mut sum = vec![0f32; t * groups * LANES];
+        for tok in 0..t {
+            let (xq, xd, _) = acts.row(tok);
+            for b in 0..blocks {
+                let (g, j) = (b / LANES, b % LANES);
+                let src = &xq[b * 32..b * 32 + 32];
+                let base = (tok * groups + g) * 512;
+                for v in 0..8 {
+                    let at = base + v * 64 + j * 4;
+                    q[at..at + 4].copy_from_slice(&src[4 * v..4 * v + 4]);
+                }
+                let at = (tok * groups + g) * LANES + j;
+                d[at] = xd[b];
+                let s: i32 = src.iter().map(|&v| v as i32).sum();
+                sum[at] = xd[b] * s as f32;
+            }
+        }
+        Self { groups, q, d, sum }
+    }
+}
+
+/// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`: rows
+/// two at a time, tokens four at a time (a lone token takes four rows).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW and VNNI; `x` was made from activations of `w`'s width;
+/// `out` points at `tokens * w.rows` floats of which no other thread writes `range`.
+pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
+    let tokens = x.q.len() / (x.groups * 512).max(1);
+    let n = w.rows;
+    let last = range.end.saturating_sub(1);
+    macro_rules! run {
+        ($r:literal, $t:literal, $row:expr, $tok:expr) => {{
+            let rows: [usize; $r] = std::array::from_fn(|i| ($row + i).min(last));
+            let mut vals = [[0f32; $r]; $t];
+            // SAFETY: the features are the caller's contract; rows and tokens in range.
+            unsafe {
+                if w.qbytes == 16 {
+                    dot::<$r, $t, true>(w, rows, x, $tok, &mut vals)
+                } else {
+                    dot::<$r, $t, false>(w, rows, x, $tok, &mut vals)
+                }
+            }
+            for (j, row) in vals.iter().enumerate() {
+                for (i, v) in row.iter().enumerate() {
+                    if $row + i < range.end {
+                        // SAFETY: this thread's rows of `out` (the contract).
+                        unsafe { *out.add(($tok + j) * n + $row + i) = *v };
+                    }
+                }
+            }
+        }};
+    }
+    if tokens == 1 {
+        let mut r = range.start;
+        while r < range.end {
+            run!(4, 1, r, 0);
+            r += 4;
+        }
+        return;
+    }
+    let mut r = range.start;
+    while r < range.end {
+        let mut tok = 0;
+        while tok < tokens {
+            match tokens - tok {
+                1 => run!(2, 1, r, tok),
+                2 => run!(2, 2, r, tok),
+                3 => run!(2, 3, r, tok),
+                _ => run!(2, 4, r, tok),
+            }
+            tok += 4;
+        }
+        r += 2;
+    }
+}
+
+/// `R` rows times tokens `first..first + T` (`Q4`: two weights a byte).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot<const R: usize, const T: usize, const Q4: bool>(
+    w: &Lanes,
+    rows: [usize; R],
+    x: &LaneActs,
+    first: usize,
+    out: &mut [[f32; R]; T],
+) {
+    let m4 = _mm512_set1_epi8(0x0F);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
+    // Q4_0's and Q8_0's offsets are fixed multiples of the scale (exact in f32).
+    let offset_of_d = _mm512_set1_ps(if w.ty == BlockType::Q4_0 {
+        -8.0
+    } else {
+        -128.0
+    });
+    for g in 0..groups {
+        let n = (blocks - g * LANES).min(LANES);
+        let mask: u64 = if n == LANES {
+            u64::MAX
+        } else {
+            (1u64 << (4 * n)) - 1
+        };
+        let mask16 = ((1u32 << n) - 1) as u16;
+        let mut dots = [[_mm512_setzero_si512(); T]; R];
+        let xg: [*const i8; T] =
+            std::array::from_fn(|t| unsafe { x.q.as_ptr().add(((first + t) * groups + g) * 512) });
+        for v in 0..qb / 4 {
+            for r in 0..R {
+                // SAFETY: the mask keeps the load inside the group's `n * 4` bytes of
+                // vector `v`; activations hold 512 bytes per group.
+                unsafe {
+                    let p =
+                        w.q.as_ptr()
+                            .add(rows[r] * blocks * qb + g * LANES * qb + v * n * 4);
+                    let raw = _mm512_maskz_loadu_epi8(mask, p as *const i8);
+                    if Q4 {
+                        let lo = _mm512_and_si512(raw, m4);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                        for t in 0..T {
+                            let xl = _mm512_loadu_si512(xg[t].add(v * 64) as *const _);
+                            let xh = _mm512_loadu_si512(xg[t].add((4 + v) * 64) as *const _);
+                            dots[r][t] = _mm512_dpbusd_epi32(dots[r][t], lo, xl);
+                            dots[r][t] = _mm512_dpbusd_epi32(dots[r][t], hi, xh);
+                        }
+                    } else {
+                        for t in 0..T {
+                            let xv = _mm512_loadu_si512(xg[t].add(v * 64) as *const _);
+                            dots[r][t] = _mm512_dpbusd_epi32(dots[r][t], raw, xv);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            // SAFETY: the masks keep the loads inside the group's `n` scales (and offsets).
+            unsafe {
+                let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * LANES * hpb);
+                let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at as *const i16));
+                let c = if hpb == 2 {
+                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at.add(n) as *const i16))
+                } else {
+                    _mm512_mul_ps(d, offset_of_d)
+                };
+                for t in 0..T {
+                    let xat = ((first + t) * groups + g) * LANES;
+                    let dx = _mm512_loadu_ps(x.d.as_ptr().add(xat));
+                    let sum = _mm512_loadu_ps(x.sum.as_ptr().add(xat));
+                    acc[r][t] = _mm512_fmadd_ps(c, sum, acc[r][t]);
+                    let scale = _mm512_mul_ps(d, dx);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r][t]), scale, acc[r][t]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            out[t][r] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::*;
+
+    #[test]
+    fn rows_come_back_in_gguf_layout_byte_for_byte() {
+        for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
+            // 1, 16, 17 and 35 blocks: a lone group, a full one, tails of 1 and 3.
+            for blocks in [1, 16, 17, 35] {
+                let (rows, bb) = (3, ty.block_bytes());
+                let mut data: Vec<u8> = (0..rows * blocks * bb)
+                    .map(|i| (i * 37 % 253) as u8)
+                    .collect();
+                for (k, blk) in data.chunks_exact_mut(bb).enumerate() {
+                    let d = f16::from_f32(0.01 * (k + 1) as f32);
+                    blk[0..2].copy_from_slice(&d.to_le_bytes());
+                    if ty == BlockType::Q4_1 {
+                        blk[2..4].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes());
+                    }
+                }
+                let lanes = Lanes::pack(ty, rows, blocks * 32, &data);
+                let mut row = Vec::new();
+                for r in 0..rows {
+                    lanes.gguf_row(r, &mut row);
+                    let want = &data[r * blocks * bb..(r + 1) * blocks * bb];
+                    assert_eq!(&row[..], want, "{ty:?}, {blocks} blocks, row {r}");
+                }
+            }
+        }
+    }
+}
