@@ -712,6 +712,29 @@ impl Model {
             .reshape((t, nh * hd))?)
     }
 
+    /// [`Self::attend`] for several sequences: on the CPU in f32 their decode rows run
+    /// together (one decode row alone is too little work to share among the threads),
+    /// each as it is alone.
+    fn attend_each(
+        &self,
+        heads: &[(Tensor, Tensor, Tensor)],
+        masks: &[Option<Tensor>],
+    ) -> Result<Vec<Tensor>> {
+        let cpu_f32 = heads
+            .first()
+            .is_some_and(|(q, _, _)| self.compute.device.is_cpu() && q.dtype() == DType::F32);
+        if cpu_f32 && heads.len() > 1 {
+            let scale = 1.0 / (self.config.head_dim as f32).sqrt();
+            let items: Vec<_> = heads.iter().map(|(q, k, v)| (q, k, v)).collect();
+            return Ok(row_attention::row_attention_each(&items, scale)?);
+        }
+        heads
+            .iter()
+            .zip(masks)
+            .map(|((q, k, v), m)| self.attend(q, k, v, m.as_ref()))
+            .collect()
+    }
+
     /// Final norm and logits of rows of different sequences (a batch's last positions),
     /// each computed as a single row alone is (the 8-bit paths, however many rows).
     pub fn head_each(&self, hidden: &Tensor) -> Result<Tensor> {

@@ -171,7 +171,7 @@ impl Model {
         links: &mut Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
         let (q, k, v) = self.qkv_rows(layer, x)?;
-        let mut outs = Vec::with_capacity(parts.len());
+        let mut heads = Vec::with_capacity(parts.len());
         let mut row = 0;
         for (i, part) in parts.iter_mut().enumerate() {
             let (r, pos) = (part.rows, starts[i]);
@@ -184,9 +184,10 @@ impl Model {
                 std::slice::from_ref(&(pos..pos + r)),
             )?;
             let (k_all, v_all) = part.cache.append(layer.index, &ki, &vi)?;
-            outs.push(self.attend(&qi, &k_all, &v_all, masks[i].as_ref())?);
+            heads.push((qi, k_all, v_all));
             row += r;
         }
+        let outs = self.attend_each(&heads, masks)?;
         let out = Tensor::cat(&outs, 0)?;
         self.finish_layer(layer, x, &out, links)
     }

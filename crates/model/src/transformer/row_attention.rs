@@ -206,6 +206,295 @@ fn exp_minus(xs: &mut [f32], max: f32) -> f32 {
     acc.iter().sum::<f32>() + sum
 }
 
+/// One sequence's attention: the views, its shape, and how its work is cut into units
+/// (a block of rows and some of a KV head's query heads).
+struct Problem<'a> {
+    q: View<'a>,
+    k: View<'a>,
+    v: View<'a>,
+    heads: usize,
+    t: usize,
+    hd: usize,
+    n: usize,
+    group: usize,
+    blocks_per_head: usize,
+    heads_per_unit: usize,
+    slices: usize,
+    units: usize,
+}
+
+impl<'a> Problem<'a> {
+    /// `split_heads`: one query head per unit (for a decode step alone, to keep the
+    /// threads evenly busy); otherwise all of a KV head's (each key read serves them all).
+    /// A query's arithmetic is the same either way.
+    fn new(q: View<'a>, k: View<'a>, v: View<'a>, split_heads: bool) -> Result<Self> {
+        let [heads, t, hd] = q.dims;
+        let [kv_heads, n, khd] = k.dims;
+        if t == 0
+            || t > n
+            || khd != hd
+            || v.dims != k.dims
+            || kv_heads == 0
+            || heads % kv_heads != 0
+        {
+            candle_core::bail!(
+                "row attention: q {:?}, k {:?}, v {:?} do not fit",
+                q.dims,
+                k.dims,
+                v.dims
+            );
+        }
+        let group = heads / kv_heads;
+        let blocks_per_head = t.div_ceil(BLOCK_ROWS);
+        let heads_per_unit = if split_heads { 1 } else { group };
+        let slices = group / heads_per_unit;
+        Ok(Self {
+            q,
+            k,
+            v,
+            heads,
+            t,
+            hd,
+            n,
+            group,
+            blocks_per_head,
+            heads_per_unit,
+            slices,
+            units: kv_heads * blocks_per_head * slices,
+        })
+    }
+
+    /// Work of the whole problem (query rows × keys × heads).
+    fn work(&self) -> usize {
+        self.t * self.n * self.heads
+    }
+
+    /// Computes unit `unit` into `out` (`(t, heads · hd)`, owned by the caller; each
+    /// unit writes its own rows and heads).
+    fn block(&self, unit: usize, scale: f32, scratch: &mut Scratch, out: *mut f32) {
+        let (q, k, v) = (&self.q, &self.k, &self.v);
+        let (t, n, hd, heads, group) = (self.t, self.n, self.hd, self.heads, self.group);
+        let (slices, heads_per_unit) = (self.slices, self.heads_per_unit);
+        let (kvh, rest) = (
+            unit / (self.blocks_per_head * slices),
+            unit % (self.blocks_per_head * slices),
+        );
+        let (i0, slice) = ((rest / slices) * BLOCK_ROWS, rest % slices);
+        let rows = (t - i0).min(BLOCK_ROWS);
+        // Queries of the block: (head, row), each seeing `n − t + row + 1` keys.
+        scratch.queries.clear();
+        let first = kvh * group + slice * heads_per_unit;
+        for h in first..first + heads_per_unit {
+            for i in i0..i0 + rows {
+                scratch.queries.push((h, i, n - t + i + 1));
+            }
+        }
+        let queries = &scratch.queries;
+        let qrows: Vec<&[f32]> = queries.iter().map(|&(h, i, _)| q.row(h, i)).collect();
+        let longest = n - t + i0 + rows;
+        let scores = &mut scratch.scores;
+        scores.clear();
+        scores.resize(queries.len() * longest, 0.0);
+        if hd.is_multiple_of(8) {
+            for j0 in (0..longest).step_by(8) {
+                let keys: [&[f32]; 8] =
+                    std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
+                for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
+                    if j0 >= seen {
+                        continue;
+                    }
+                    let got = dot8(qr, keys);
+                    let end = seen.min(j0 + 8);
+                    for (s, g) in scores[a * longest + j0..a * longest + end]
+                        .iter_mut()
+                        .zip(got)
+                    {
+                        *s = g * scale;
+                    }
+                }
+            }
+        } else {
+            for j in 0..longest {
+                let key = k.row(kvh, j);
+                for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
+                    if j < seen {
+                        scores[a * longest + j] = dot(qr, key) * scale;
+                    }
+                }
+            }
+        }
+        let outs = &mut scratch.outs;
+        outs.clear();
+        outs.resize(queries.len() * hd, 0.0);
+        for (a, &(_, _, seen)) in queries.iter().enumerate() {
+            let row = &mut scores[a * longest..a * longest + seen];
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            let inv = 1.0 / exp_minus(row, max);
+            let o = &mut outs[a * hd..(a + 1) * hd];
+            for (j, &s) in row.iter().enumerate() {
+                let p = s * inv;
+                for (acc, x) in o.iter_mut().zip(v.row(kvh, j)) {
+                    *acc = p.mul_add(*x, *acc);
+                }
+            }
+        }
+        for (a, &(h, i, _)) in queries.iter().enumerate() {
+            // SAFETY: row `i`, head `h` of the output belongs to this block alone (the
+            // caller's contract); `out` holds `t · heads · hd` floats.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    outs[a * hd..].as_ptr(),
+                    out.add((i * heads + h) * hd),
+                    hd,
+                )
+            };
+        }
+    }
+}
+
+fn cpu(s: &candle_core::Storage) -> Result<&CpuStorage> {
+    match s {
+        candle_core::Storage::Cpu(c) => Ok(c),
+        _ => candle_core::bail!("row attention runs on the CPU"),
+    }
+}
+
+/// Runs `units` (numbered `0..units`) over the kernel threads, or on this thread alone
+/// when `parallel` is false: in shares of about equal cost when `cost` (a unit's cost,
+/// by number) is given, else of equal count.
+fn share_out(
+    units: usize,
+    parallel: bool,
+    cost: Option<&dyn Fn(usize) -> usize>,
+    unit: &(dyn Fn(usize, &mut Scratch) + Sync),
+) {
+    let pool = shoal_kernels::ThreadPool::global();
+    let threads = if parallel && pool.size() > 1 {
+        pool.size().min(units)
+    } else {
+        1
+    };
+    // Thread i takes units bounds[i]..bounds[i + 1].
+    let bounds: Vec<usize> = match cost {
+        Some(cost) if threads > 1 => {
+            let costs: Vec<usize> = (0..units).map(cost).collect();
+            let total: usize = costs.iter().sum();
+            let mut bounds = vec![0];
+            let mut acc = 0;
+            for (u, c) in costs.iter().enumerate() {
+                acc += c;
+                if bounds.len() < threads && acc * threads >= total * bounds.len() {
+                    bounds.push(u + 1);
+                }
+            }
+            bounds.resize(threads + 1, units);
+            bounds
+        }
+        _ => {
+            let per = units.div_ceil(threads.max(1));
+            (0..=threads).map(|i| (i * per).min(units)).collect()
+        }
+    };
+    let run = |thread: usize| {
+        let mut scratch = Scratch::default();
+        for u in bounds[thread]..bounds[thread + 1] {
+            unit(u, &mut scratch);
+        }
+    };
+    if threads > 1 {
+        pool.run(&|i| {
+            if i < threads {
+                run(i)
+            }
+        });
+    } else {
+        run(0);
+    }
+}
+
+/// [`row_attention`] of several sequences at once (a batch's decode rows): each as it is
+/// alone, bit for bit, their units shared out among the kernel threads together, where
+/// one decode row alone is too little work to share. Each item is `(q, k, v)` as
+/// [`row_attention`] takes them.
+pub(crate) fn row_attention_many(
+    items: &[(&Tensor, &Tensor, &Tensor)],
+    scale: f32,
+) -> Result<Vec<Tensor>> {
+    let guards: Vec<_> = items
+        .iter()
+        .map(|(q, k, v)| {
+            (
+                q.storage_and_layout(),
+                k.storage_and_layout(),
+                v.storage_and_layout(),
+            )
+        })
+        .collect();
+    let mut problems = Vec::with_capacity(items.len());
+    for ((qs, ql), (ks, kl), (vs, vl)) in &guards {
+        problems.push(Problem::new(
+            View::new(cpu(qs)?, ql, "q")?,
+            View::new(cpu(ks)?, kl, "k")?,
+            View::new(cpu(vs)?, vl, "v")?,
+            false,
+        )?);
+    }
+    let mut outs: Vec<Vec<f32>> = problems
+        .iter()
+        .map(|p| vec![0f32; p.t * p.heads * p.hd])
+        .collect();
+    let addrs: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
+    // Unit u of the whole batch: problem `owner[u]`'s unit `u − first[owner[u]]`.
+    let mut first = Vec::with_capacity(problems.len());
+    let mut total = 0;
+    for p in &problems {
+        first.push(total);
+        total += p.units;
+    }
+    let work: usize = problems.iter().map(Problem::work).sum();
+    let owner = |u: usize| first.partition_point(|&f| f <= u) - 1;
+    // A unit's cost: the keys its rows see.
+    let cost = |u: usize| problems[owner(u)].n + BLOCK_ROWS;
+    share_out(total, work >= PARALLEL_FROM, Some(&cost), &|u, scratch| {
+        let i = owner(u);
+        problems[i].block(u - first[i], scale, scratch, addrs[i] as *mut f32);
+    });
+    drop(problems);
+    drop(guards);
+    outs.into_iter()
+        .zip(items)
+        .map(|(o, (q, _, _))| {
+            let [heads, t, hd] = [q.dim(0)?, q.dim(1)?, q.dim(2)?];
+            Tensor::from_vec(o, (t, heads * hd), q.device())
+        })
+        .collect()
+}
+
+/// [`row_attention`] of every item: those with work enough to share on their own one at
+/// a time, the small ones (decode rows) together through [`row_attention_many`].
+pub(crate) fn row_attention_each(
+    items: &[(&Tensor, &Tensor, &Tensor)],
+    scale: f32,
+) -> Result<Vec<Tensor>> {
+    let work = |(q, k, _): &(&Tensor, &Tensor, &Tensor)| -> Result<usize> {
+        Ok(q.dim(0)? * q.dim(1)? * k.dim(1)?)
+    };
+    let mut small = Vec::new();
+    let mut outs: Vec<Option<Tensor>> = vec![None; items.len()];
+    for (i, item) in items.iter().enumerate() {
+        if work(item)? >= PARALLEL_FROM {
+            outs[i] = Some(row_attention(item.0, item.1, item.2, scale)?);
+        } else {
+            small.push(i);
+        }
+    }
+    let many: Vec<_> = small.iter().map(|&i| items[i]).collect();
+    for (&i, o) in small.iter().zip(row_attention_many(&many, scale)?) {
+        outs[i] = Some(o);
+    }
+    Ok(outs.into_iter().flatten().collect())
+}
+
 impl CustomOp3 for RowAttention {
     fn name(&self) -> &'static str {
         "row-attention"
@@ -225,132 +514,19 @@ impl CustomOp3 for RowAttention {
             View::new(ks, kl, "k")?,
             View::new(vs, vl, "v")?,
         );
-        let [heads, t, hd] = q.dims;
-        let [kv_heads, n, khd] = k.dims;
-        if t == 0
-            || t > n
-            || khd != hd
-            || v.dims != k.dims
-            || kv_heads == 0
-            || heads % kv_heads != 0
-        {
-            candle_core::bail!(
-                "row attention: q {:?}, k {:?}, v {:?} do not fit",
-                q.dims,
-                k.dims,
-                v.dims
-            );
-        }
-        let group = heads / kv_heads;
-        let blocks_per_head = t.div_ceil(BLOCK_ROWS);
         let pool = shoal_kernels::ThreadPool::global();
+        let [heads, t, _] = q.dims;
+        let [kv_heads, n, _] = k.dims;
         let parallel = t * n * heads >= PARALLEL_FROM && pool.size() > 1;
-        // A unit is a block of rows and some of a KV head's query heads: all of them (each
-        // key read serves them all), or one each when there are too few blocks to keep
-        // the threads evenly busy (a decode step).
-        let heads_per_unit = if !parallel || kv_heads * blocks_per_head >= 4 * pool.size() {
-            group
-        } else {
-            1
-        };
-        let slices = group / heads_per_unit;
-        let units = kv_heads * blocks_per_head * slices;
-        let mut out = vec![0f32; t * heads * hd];
-        let threads = if parallel { pool.size().min(units) } else { 1 };
-        let per = units.div_ceil(threads);
+        // Too few blocks to keep the threads evenly busy (a decode step): a head a unit.
+        let split_heads = parallel && kv_heads * t.div_ceil(BLOCK_ROWS) < 4 * pool.size();
+        let p = Problem::new(q, k, v, split_heads)?;
+        let mut out = vec![0f32; p.t * p.heads * p.hd];
         let out_addr = out.as_mut_ptr() as usize;
-        let block = |unit: usize, scratch: &mut Scratch| {
-            let (kvh, rest) = (
-                unit / (blocks_per_head * slices),
-                unit % (blocks_per_head * slices),
-            );
-            let (i0, slice) = ((rest / slices) * BLOCK_ROWS, rest % slices);
-            let rows = (t - i0).min(BLOCK_ROWS);
-            // Queries of the block: (head, row), each seeing `n − t + row + 1` keys.
-            scratch.queries.clear();
-            let first = kvh * group + slice * heads_per_unit;
-            for h in first..first + heads_per_unit {
-                for i in i0..i0 + rows {
-                    scratch.queries.push((h, i, n - t + i + 1));
-                }
-            }
-            let queries = &scratch.queries;
-            let qrows: Vec<&[f32]> = queries.iter().map(|&(h, i, _)| q.row(h, i)).collect();
-            let longest = n - t + i0 + rows;
-            let scores = &mut scratch.scores;
-            scores.clear();
-            scores.resize(queries.len() * longest, 0.0);
-            if hd.is_multiple_of(8) {
-                for j0 in (0..longest).step_by(8) {
-                    let keys: [&[f32]; 8] =
-                        std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
-                    for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
-                        if j0 >= seen {
-                            continue;
-                        }
-                        let got = dot8(qr, keys);
-                        let end = seen.min(j0 + 8);
-                        for (s, g) in scores[a * longest + j0..a * longest + end]
-                            .iter_mut()
-                            .zip(got)
-                        {
-                            *s = g * self.scale;
-                        }
-                    }
-                }
-            } else {
-                for j in 0..longest {
-                    let key = k.row(kvh, j);
-                    for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
-                        if j < seen {
-                            scores[a * longest + j] = dot(qr, key) * self.scale;
-                        }
-                    }
-                }
-            }
-            let outs = &mut scratch.outs;
-            outs.clear();
-            outs.resize(queries.len() * hd, 0.0);
-            for (a, &(_, _, seen)) in queries.iter().enumerate() {
-                let row = &mut scores[a * longest..a * longest + seen];
-                let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                let inv = 1.0 / exp_minus(row, max);
-                let o = &mut outs[a * hd..(a + 1) * hd];
-                for (j, &s) in row.iter().enumerate() {
-                    let p = s * inv;
-                    for (acc, x) in o.iter_mut().zip(v.row(kvh, j)) {
-                        *acc = p.mul_add(*x, *acc);
-                    }
-                }
-            }
-            for (a, &(h, i, _)) in queries.iter().enumerate() {
-                // SAFETY: row `i`, head `h` of the output belongs to this block alone;
-                // `out` outlives the pool's run.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        outs[a * hd..].as_ptr(),
-                        (out_addr as *mut f32).add((i * heads + h) * hd),
-                        hd,
-                    )
-                };
-            }
-        };
-        let run = |thread: usize| {
-            let mut scratch = Scratch::default();
-            for unit in (thread * per).min(units)..((thread + 1) * per).min(units) {
-                block(unit, &mut scratch);
-            }
-        };
-        if threads > 1 {
-            pool.run(&|i| {
-                if i < threads {
-                    run(i)
-                }
-            });
-        } else {
-            run(0);
-        }
-        Ok((CpuStorage::F32(out), Shape::from((t, heads * hd))))
+        share_out(p.units, parallel, None, &|u, scratch| {
+            p.block(u, self.scale, scratch, out_addr as *mut f32)
+        });
+        Ok((CpuStorage::F32(out), Shape::from((p.t, p.heads * p.hd))))
     }
 }
 
@@ -358,7 +534,7 @@ impl CustomOp3 for RowAttention {
 mod tests {
     use candle_core::{Device, Tensor};
 
-    use super::row_attention;
+    use super::{row_attention, row_attention_each};
 
     /// candle's masked softmax attention, the reference.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
@@ -429,6 +605,38 @@ mod tests {
                 .zip(&one[0])
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "row {i}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn sequences_together_equal_each_alone() -> candle_core::Result<()> {
+        // Decode rows of many sequences (shared out together) and a prompt slice (on its
+        // own) give what each gives alone, bit for bit.
+        let dev = Device::Cpu;
+        let (heads, kv_heads, hd) = (6, 2, 16);
+        let mut items = Vec::new();
+        for (t, n) in [(1, 5), (1, 1500), (1, 1), (12, 900), (1, 3000), (3, 3)] {
+            items.push((
+                Tensor::randn(0f32, 1.0, (heads, t, hd), &dev)?,
+                Tensor::randn(0f32, 1.0, (kv_heads, n, hd), &dev)?,
+                Tensor::randn(0f32, 1.0, (kv_heads, n, hd), &dev)?,
+            ));
+        }
+        let refs: Vec<_> = items.iter().map(|(q, k, v)| (q, k, v)).collect();
+        let together = row_attention_each(&refs, 0.25)?;
+        assert_eq!(together.len(), items.len());
+        for (i, ((q, k, v), got)) in items.iter().zip(&together).enumerate() {
+            let alone = row_attention(q, k, v, 0.25)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let got = got.flatten_all()?.to_vec1::<f32>()?;
+            assert_eq!(alone.len(), got.len());
+            let same = alone
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "sequence {i}");
         }
         Ok(())
     }
