@@ -1,5 +1,5 @@
 //! Weights repacked at load so that each 32-bit lane of a 512-bit product holds one whole
-//! block (AVX-512 VNNI; Q4_0, Q4_1 and Q8_0).
+//! block (AVX-512 VNNI; Q4_0, Q4_1, Q5_0 and Q8_0).
 //!
 //! In GGUF's layout a `vpdpbusd` over 64 consecutive weights sums two blocks, each over
 //! eight lanes, so every product is converted to floats and scaled at once: per 64
@@ -27,7 +27,10 @@ const LANES: usize = 16;
 
 /// Whether `ty` can be repacked.
 pub(crate) fn takes(ty: BlockType) -> bool {
-    matches!(ty, BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q8_0)
+    matches!(
+        ty,
+        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0
+    )
 }
 
 /// A matrix of 32-weight blocks in the lane layout: `w = d·u + c` per block, `u` the
@@ -46,7 +49,15 @@ pub(crate) struct Lanes {
     h: Vec<u16>,
     /// f16 values per block: 1, or 2 with Q4_1's offset.
     hpb: usize,
+    /// Q5_0's fifth bits, per row and group: for each product `v`, the bits of the low
+    /// nibbles' bytes, then the high ones' (bit `4j + i`: lane `j`, byte `i`).
+    bits: Vec<u64>,
 }
+
+/// Which inner loop a block type takes.
+const BYTES: u8 = 0;
+const NIBBLES: u8 = 1;
+const NIBBLES_AND_BITS: u8 = 2;
 
 impl Lanes {
     /// Repacks `rows` rows of GGUF blocks of type `ty` (one of [`takes`]).
@@ -58,6 +69,8 @@ impl Lanes {
         let mut q = vec![0u8; rows * blocks * qbytes];
         let hpb = if ty == BlockType::Q4_1 { 2 } else { 1 };
         let mut h = vec![0u16; rows * blocks * hpb];
+        let q5 = ty == BlockType::Q5_0;
+        let mut bits = vec![0u64; if q5 { rows * groups * 8 } else { 0 }];
         for r in 0..rows {
             let row = &data[r * blocks * bb..(r + 1) * blocks * bb];
             for b in 0..blocks {
@@ -68,8 +81,21 @@ impl Lanes {
                 let quants = match ty {
                     BlockType::Q4_0 => &blk[2..18],
                     BlockType::Q4_1 => &blk[4..20],
+                    BlockType::Q5_0 => &blk[6..22],
                     _ => &blk[2..34],
                 };
+                if q5 {
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    let at = (r * groups + g) * 8;
+                    for v in 0..4 {
+                        for i in 0..4 {
+                            let lo = (qh >> (4 * v + i)) & 1;
+                            let hi = (qh >> (16 + 4 * v + i)) & 1;
+                            bits[at + 2 * v] |= (lo as u64) << (4 * j + i);
+                            bits[at + 2 * v + 1] |= (hi as u64) << (4 * j + i);
+                        }
+                    }
+                }
                 let at = r * blocks * hpb + g * LANES * hpb;
                 h[at + j] = half(0);
                 if hpb == 2 {
@@ -98,6 +124,15 @@ impl Lanes {
             q,
             h,
             hpb,
+            bits,
+        }
+    }
+
+    fn inner_loop(&self) -> u8 {
+        match self.ty {
+            BlockType::Q8_0 => BYTES,
+            BlockType::Q5_0 => NIBBLES_AND_BITS,
+            _ => NIBBLES,
         }
     }
 
@@ -115,6 +150,19 @@ impl Lanes {
             let first = if self.hpb == 2 {
                 blk[2..4].copy_from_slice(&self.h[at + n + j].to_le_bytes());
                 4
+            } else if self.ty == BlockType::Q5_0 {
+                let mut qh = 0u32;
+                let planes = &self.bits[(r * self.groups + g) * 8..][..8];
+                for v in 0..4 {
+                    for i in 0..4 {
+                        let lo = (planes[2 * v] >> (4 * j + i)) & 1;
+                        let hi = (planes[2 * v + 1] >> (4 * j + i)) & 1;
+                        qh |= (lo as u32) << (4 * v + i);
+                        qh |= (hi as u32) << (16 + 4 * v + i);
+                    }
+                }
+                blk[2..6].copy_from_slice(&qh.to_le_bytes());
+                6
             } else {
                 2
             };
@@ -134,7 +182,7 @@ impl Lanes {
     }
 
     pub(crate) fn size_in_bytes(&self) -> usize {
-        self.q.len() + 2 * self.h.len()
+        self.q.len() + 2 * self.h.len() + 8 * self.bits.len()
     }
 }
 
@@ -192,10 +240,10 @@ pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>
             let mut vals = [[0f32; $r]; $t];
             // SAFETY: the features are the caller's contract; rows and tokens in range.
             unsafe {
-                if w.qbytes == 16 {
-                    dot::<$r, $t, true>(w, rows, x, $tok, &mut vals)
-                } else {
-                    dot::<$r, $t, false>(w, rows, x, $tok, &mut vals)
+                match w.inner_loop() {
+                    BYTES => dot::<$r, $t, BYTES>(w, rows, x, $tok, &mut vals),
+                    NIBBLES => dot::<$r, $t, NIBBLES>(w, rows, x, $tok, &mut vals),
+                    _ => dot::<$r, $t, NIBBLES_AND_BITS>(w, rows, x, $tok, &mut vals),
                 }
             }
             for (j, row) in vals.iter().enumerate() {
@@ -232,10 +280,11 @@ pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>
     }
 }
 
-/// `R` rows times tokens `first..first + T` (`Q4`: two weights a byte).
+/// `R` rows times tokens `first..first + T`; `KIND`: a weight a byte, two, or two with
+/// their fifth bits beside.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn dot<const R: usize, const T: usize, const Q4: bool>(
+unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
     w: &Lanes,
     rows: [usize; R],
     x: &LaneActs,
@@ -246,11 +295,12 @@ unsafe fn dot<const R: usize, const T: usize, const Q4: bool>(
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
     // Q4_0's and Q8_0's offsets are fixed multiples of the scale (exact in f32).
-    let offset_of_d = _mm512_set1_ps(if w.ty == BlockType::Q4_0 {
-        -8.0
-    } else {
-        -128.0
+    let offset_of_d = _mm512_set1_ps(match w.ty {
+        BlockType::Q4_0 => -8.0,
+        BlockType::Q5_0 => -16.0,
+        _ => -128.0,
     });
+    let fifth = _mm512_set1_epi8(0x10);
     for g in 0..groups {
         let n = (blocks - g * LANES).min(LANES);
         let mask: u64 = if n == LANES {
@@ -271,9 +321,14 @@ unsafe fn dot<const R: usize, const T: usize, const Q4: bool>(
                         w.q.as_ptr()
                             .add(rows[r] * blocks * qb + g * LANES * qb + v * n * 4);
                     let raw = _mm512_maskz_loadu_epi8(mask, p as *const i8);
-                    if Q4 {
-                        let lo = _mm512_and_si512(raw, m4);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                    if KIND != BYTES {
+                        let mut lo = _mm512_and_si512(raw, m4);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                        if KIND == NIBBLES_AND_BITS {
+                            let planes = w.bits.as_ptr().add((rows[r] * groups + g) * 8 + 2 * v);
+                            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(*planes, fifth));
+                            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(*planes.add(1), fifth));
+                        }
                         for t in 0..T {
                             let xl = _mm512_loadu_si512(xg[t].add(v * 64) as *const _);
                             let xh = _mm512_loadu_si512(xg[t].add((4 + v) * 64) as *const _);
@@ -325,7 +380,12 @@ mod tests {
 
     #[test]
     fn rows_come_back_in_gguf_layout_byte_for_byte() {
-        for ty in [BlockType::Q4_0, BlockType::Q4_1, BlockType::Q8_0] {
+        for ty in [
+            BlockType::Q4_0,
+            BlockType::Q4_1,
+            BlockType::Q5_0,
+            BlockType::Q8_0,
+        ] {
             // 1, 16, 17 and 35 blocks: a lone group, a full one, tails of 1 and 3.
             for blocks in [1, 16, 17, 35] {
                 let (rows, bb) = (3, ty.block_bytes());
