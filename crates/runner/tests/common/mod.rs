@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod batching;
+
 use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::Duration;
