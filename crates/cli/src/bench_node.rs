@@ -112,7 +112,50 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 }
 
 /// Runs every concurrency in turn.
+/// The models of the node's cluster with a ready instance.
+fn ready_models(o: &Options) -> Result<Vec<String>> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(10)))
+        .build()
+        .into();
+    let url = format!("http://{}/v1/instances", o.node);
+    let resp = crate::commands::keyed(agent.get(&url))
+        .call()
+        .with_context(|| format!("cannot reach the node at {}", o.node))?;
+    let status = resp.status().as_u16();
+    let text = resp.into_body().read_to_string().unwrap_or_default();
+    if status != 200 {
+        bail!("the node answered {status} to GET /v1/instances: {text}");
+    }
+    let v: serde_json::Value = serde_json::from_str(&text).context("the node's instances")?;
+    Ok(v["instances"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["status"]["state"] == "ready")
+        .filter_map(|i| i["model"].as_str().map(str::to_string))
+        .collect())
+}
+
+/// Runs the bench against an instance that is ready: a request for a model without one
+/// would have the node place it (auto-placement), and the figures would be of whatever
+/// that became, not of the instance meant.
 pub fn run(o: &Options) -> Result<Vec<Row>> {
+    if let Some(model) = &o.model {
+        let ready = ready_models(o)?;
+        if !ready.contains(model) {
+            bail!(
+                "no ready instance of {model} on the node's cluster (ready: {}); place one \
+                 (`shoal place {model}`) or name another with -m: the bench places nothing",
+                if ready.is_empty() {
+                    "none".to_string()
+                } else {
+                    ready.join(", ")
+                }
+            );
+        }
+    }
     if o.warmup {
         one(o, 0, 0).context("the warm-up request")?;
     }
@@ -158,7 +201,8 @@ pub fn run(o: &Options) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-pub fn print(rows: &[Row]) {
+pub fn print(model: &str, rows: &[Row]) {
+    println!("{model}:");
     println!(
         "| clients | requests | total tok/s | per request tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
     );

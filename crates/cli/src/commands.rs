@@ -1084,7 +1084,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         if args.json {
             println!("{}", serde_json::to_string_pretty(&rows)?);
         } else {
-            crate::bench_node::print(&rows);
+            crate::bench_node::print(&args.model.model, &rows);
         }
         return Ok(());
     }
