@@ -10,7 +10,8 @@
 //! The serving side acknowledges a request with a keepalive as soon as it has read it.
 //! A stream that ends before that was never taken: libp2p-stream drops an incoming stream
 //! when the previous one has not been accepted yet (its queue holds one), which a burst
-//! of clients does. Such a request is sent again on a new stream, a few times.
+//! of clients does; so does a stream on one of two connections dialled at once, when one
+//! of them closes. Such a request is sent again on a new stream, a few times.
 
 use std::time::Duration;
 
@@ -120,14 +121,12 @@ pub fn forward(
             attempt += 1;
             match send_request(&mut streams, peer, &forward).await {
                 Ok(s) => break s,
-                Err(Sent::Dropped) if attempt < ATTEMPTS => {
-                    tracing::debug!(%peer, attempt, "the peer dropped the request's stream; again");
+                Err(Sent::Untaken(why)) if attempt < ATTEMPTS => {
+                    tracing::debug!(%peer, attempt, %why, "the request did not get through; again");
                     tokio::time::sleep(Duration::from_millis(20 << attempt)).await;
                 }
-                Err(Sent::Dropped) => {
-                    let why = format!(
-                        "node {peer}, which holds rank 0, dropped the request {ATTEMPTS} times"
-                    );
+                Err(Sent::Untaken(why)) => {
+                    let why = format!("{why} ({ATTEMPTS} attempts)");
                     let _ = tx.send(Piece::broken(why));
                     return;
                 }
@@ -163,9 +162,11 @@ pub fn forward(
 
 /// Why a request did not get through.
 enum Sent {
-    /// The stream ended before the peer acknowledged it: it was never taken.
-    Dropped,
-    /// Anything else, said for the client.
+    /// The peer never took the request (the stream was dropped, or its connection closed,
+    /// before the acknowledgement: one of two connections dialled at once closes): safe
+    /// to send again. Why, for the client if it keeps happening.
+    Untaken(String),
+    /// The peer did not answer in time, or answered out of protocol: said for the client.
     Failed(String),
 }
 
@@ -180,7 +181,7 @@ async fn send_request(
     let stream = match opened {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            return Err(Sent::Failed(format!(
+            return Err(Sent::Untaken(format!(
                 "cannot reach node {peer}, which holds rank 0: {e}"
             )));
         }
@@ -192,7 +193,7 @@ async fn send_request(
     };
     let mut stream = futures::io::BufReader::new(stream);
     if let Err(e) = write_line(stream.get_mut(), forward).await {
-        return Err(Sent::Failed(format!(
+        return Err(Sent::Untaken(format!(
             "cannot send the request to node {peer}: {e}"
         )));
     }
@@ -201,11 +202,13 @@ async fn send_request(
         Ok(other) => Err(Sent::Failed(format!(
             "node {peer} answered a forwarded request with {other:?} before taking it"
         ))),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(Sent::Dropped),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(Sent::Untaken(format!(
+            "node {peer}, which holds rank 0, dropped the request's stream"
+        ))),
         Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Err(Sent::Failed(format!(
             "node {peer}, which holds rank 0, did not take the request in {OPEN:?}"
         ))),
-        Err(e) => Err(Sent::Failed(format!(
+        Err(e) => Err(Sent::Untaken(format!(
             "the link to node {peer} (rank 0) broke before it took the request: {e}"
         ))),
     }
