@@ -6,6 +6,7 @@
 //! pinned.
 
 use shoal_testbed::{Testbed, serving_one};
+use std::ffi::OsStr;
 use std::path::Path;
 
 const MODEL: &str = "smollm2-135m";
@@ -67,19 +68,31 @@ fn run_checks(bed: &Testbed, script: &str, base: &str, model: &str) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/clients")
         .join(script);
+    let args = [path.as_os_str(), OsStr::new(base), OsStr::new(model)];
+    python(bed, &args, script);
+}
+
+/// Runs `python3 args…` on host 1 (its output printed); it must exit 0.
+fn python(bed: &Testbed, args: &[&OsStr], what: &str) {
     let out = bed
         .command(1, "python3")
-        .arg(&path)
-        .args([base, model])
+        .args(args)
         .output()
         .expect("run python3");
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     assert!(
         out.status.success(),
-        "{script}'s checks failed:\n{stdout}\n{}",
+        "{what}'s checks failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// [`python`] with an inline script and its arguments.
+fn python_inline(bed: &Testbed, script: &str, args: &[&str], what: &str) {
+    let mut all = vec![OsStr::new("-c"), OsStr::new(script)];
+    all.extend(args.iter().map(OsStr::new));
+    python(bed, &all, what);
 }
 
 /// Runs a command with `input` on its standard input.
@@ -135,17 +148,11 @@ r = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0).chat.comple
 assert r.choices[0].message.content, r
 print("ok")
 "#;
-    let out = c
-        .bed
-        .command(1, "python3")
-        .args(["-c", check, "http://127.0.0.1:52415", MODEL, key])
-        .output()
-        .expect("run python3");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    python_inline(
+        &c.bed,
+        check,
+        &["http://127.0.0.1:52415", MODEL, key],
+        "the key checks",
     );
     // The node refuses to serve beyond loopback without a key.
     let dir = c.nodes[0].dir.join("open");
@@ -303,17 +310,11 @@ except ollama.ResponseError as e:
     assert e.status_code == 404, e
 print("ok")
 "#;
-    let out = c
-        .bed
-        .command(1, "python3")
-        .args(["-c", check, "http://127.0.0.1:52415", MODEL])
-        .output()
-        .expect("python3");
-    println!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    python_inline(
+        &c.bed,
+        check,
+        &["http://127.0.0.1:52415", MODEL],
+        "the pull checks",
     );
     let status = node.status().expect("status");
     assert!(
@@ -356,17 +357,11 @@ assert any("fetching" in c or "loading" in c for c in comments), comments
 assert text and done, (text, done)
 print("ok", repr(text))
 "#;
-    let out = c
-        .bed
-        .command(1, "python3")
-        .args(["-c", check, "http://127.0.0.1:52415", MODEL])
-        .output()
-        .expect("python3");
-    println!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    python_inline(
+        &c.bed,
+        check,
+        &["http://127.0.0.1:52415", MODEL],
+        "the auto-placement checks",
     );
     let status = node.status().expect("status");
     let models = &status["nodes"][0]["models"];

@@ -6,7 +6,7 @@ use shoal_engine::{LocalSession, Session};
 use shoal_model::{GgufFile, Model};
 use shoal_runner::{Logits, Part, Strategy};
 
-use super::{start_split, stop_split};
+use super::{row_differs, start_split, stop_split};
 
 const SEQS: usize = 16;
 const STEPS: usize = 9;
@@ -183,20 +183,11 @@ pub fn check_runs(
                     "{what} {strategy} {world} ({micro} in flight): seq {i} step {k} rows"
                 );
                 for (wr, gr) in w.iter().zip(g) {
-                    let scale = wr.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
-                    let err = wr
-                        .iter()
-                        .zip(gr)
-                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                    let same = wr.iter().zip(gr).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        if tolerance == 0.0 {
-                            same
-                        } else {
-                            err <= tolerance * scale
-                        },
-                        "{what} {strategy} {world} ranks ({micro} in flight): seq {i} step {k} differs by {err} (scale {scale})"
-                    );
+                    if let Some(why) = row_differs(wr, gr, tolerance) {
+                        panic!(
+                            "{what} {strategy} {world} ranks ({micro} in flight): seq {i} step {k} {why}"
+                        );
+                    }
                 }
             }
         }

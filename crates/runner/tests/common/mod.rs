@@ -135,20 +135,32 @@ pub fn split(path: &Path, strategy: Strategy, world: usize, forced: &[u32]) -> T
     trace
 }
 
+/// How a logits row `got` differs from `want`, if by more than `tolerance` times the
+/// row's largest magnitude (at least 1); a `tolerance` of 0 asks for bit for bit.
+pub fn row_differs(want: &[f32], got: &[f32], tolerance: f32) -> Option<String> {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
+    let err = want
+        .iter()
+        .zip(got)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    let ok = if tolerance == 0.0 {
+        want.iter()
+            .zip(got)
+            .all(|(a, b)| a.to_bits() == b.to_bits())
+    } else {
+        err <= tolerance * scale
+    };
+    (!ok).then(|| format!("differs by {err} (scale {scale})"))
+}
+
 pub fn compare(what: &str, want: &Trace, got: &Trace, tolerance: f32) {
     assert_eq!(want.len(), got.len(), "{what}: number of calls");
     for (call, (w, g)) in want.iter().zip(got).enumerate() {
         assert_eq!(w.len(), g.len(), "{what}: rows of call {call}");
         for (wr, gr) in w.iter().zip(g) {
-            let scale = wr.iter().fold(0f32, |m, v| m.max(v.abs())).max(1.0);
-            let err = wr
-                .iter()
-                .zip(gr)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                err <= tolerance * scale,
-                "{what}: call {call} differs by {err} (scale {scale})"
-            );
+            if let Some(why) = row_differs(wr, gr, tolerance) {
+                panic!("{what}: call {call} {why}");
+            }
         }
     }
 }
