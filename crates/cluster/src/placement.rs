@@ -35,10 +35,8 @@ impl ModelFacts {
 
     /// Parameters of one decoder layer and of the embedding.
     fn params(&self) -> (u64, u64) {
-        let (h, hd) = (self.hidden as u64, self.head_dim() as u64);
-        let attn = h * hd * (2 * self.heads as u64 + 2 * self.kv_heads as u64);
-        let layer = attn + 3 * h * self.ffn as u64;
-        (layer, self.vocab as u64 * h)
+        let (heads, kv_heads, hd) = (self.heads, self.kv_heads, self.head_dim());
+        transformer_params(self.hidden, heads, kv_heads, hd, self.ffn, self.vocab)
     }
 
     /// Bytes per parameter in the file.
@@ -46,6 +44,22 @@ impl ModelFacts {
         let (layer, embed) = self.params();
         self.size as f64 / (layer * self.layers as u64 + embed).max(1) as f64
     }
+}
+
+/// Parameters of one decoder layer (q, k, v, o and the gated FFN) and of the embedding
+/// (and of an untied head, the same): the weights placement counts, and the costs a
+/// pipeline's stages are balanced by (the runner's split and this estimate agree).
+pub fn transformer_params(
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    vocab: usize,
+) -> (u64, u64) {
+    let (h, hd) = (hidden as u64, head_dim as u64);
+    let attn = h * hd * (2 * heads as u64 + 2 * kv_heads as u64);
+    (attn + 3 * h * ffn as u64, vocab as u64 * h)
 }
 
 /// What to place.

@@ -1,7 +1,7 @@
 //! Shard plans: which part of the model each rank holds.
 
 pub use shoal_cluster::Strategy;
-use shoal_cluster::placement::pipeline_layers;
+use shoal_cluster::placement::{pipeline_layers, transformer_params};
 use shoal_model::{LoadSpec, ModelConfig, tensor_slices};
 
 use crate::RankError;
@@ -41,11 +41,14 @@ pub fn plan_weighted(
     let n = config.num_layers;
     let loads: Vec<LoadSpec> = match strategy {
         Strategy::Pipeline => {
-            let h = config.hidden_size as u64;
-            let q = (config.num_heads * config.head_dim) as u64;
-            let kv = (config.num_kv_heads * config.head_dim) as u64;
-            let layer = h * (2 * q + 2 * kv) + 3 * h * config.ffn_size as u64;
-            let head = config.vocab_size as u64 * h;
+            let (layer, head) = transformer_params(
+                config.hidden_size,
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                config.ffn_size,
+                config.vocab_size,
+            );
             let split = pipeline_layers(n, layer, head, shares).map_err(RankError::Plan)?;
             let mut first = 0;
             split
