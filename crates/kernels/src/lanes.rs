@@ -44,13 +44,14 @@ pub(crate) struct Lanes {
     /// Quant bytes per block: 16 (two 4-bit weights a byte) or 32.
     qbytes: usize,
     q: Vec<u8>,
-    /// Per row, per group: the blocks' f16 scales, then (Q4_1) their f16 offsets. As
-    /// many bytes as GGUF's: the lane layout costs no memory.
+    /// Per row, per group: the blocks' f16 scales, then (Q4_1) their f16 offsets. With
+    /// `q`, as many bytes as GGUF's.
     h: Vec<u16>,
     /// f16 values per block: 1, or 2 with Q4_1's offset.
     hpb: usize,
     /// Q5_0's fifth bits, per row and group: for each product `v`, the bits of the low
-    /// nibbles' bytes, then the high ones' (bit `4j + i`: lane `j`, byte `i`).
+    /// nibbles' bytes, then the high ones' (bit `4j + i`: lane `j`, byte `i`). 64 bytes
+    /// a group: GGUF's 4 a block for a full group, up to 60 more for a row's last one.
     bits: Vec<u64>,
 }
 
