@@ -399,6 +399,8 @@ mod tests {
                     },
                     models: vec![],
                     links: BTreeMap::new(),
+                    fetching: BTreeMap::new(),
+                    hostname: String::new(),
                 };
                 apply(
                     &s,
@@ -519,6 +521,8 @@ mod tests {
             },
             models: vec![],
             links: BTreeMap::new(),
+            fetching: BTreeMap::new(),
+            hostname: String::new(),
         };
         s.nodes.insert(id.into(), info);
         s

@@ -97,11 +97,18 @@ pub struct NodeInfo {
     pub id: NodeId,
     /// The node's HTTP control address (`shoal status --node` talks to it).
     pub http: String,
+    /// The machine's host name, for people (not unique: only `id` is).
+    #[serde(default)]
+    pub hostname: String,
     pub resources: Resources,
     /// Models whose file this node holds, by name.
     pub models: Vec<String>,
     /// Links to peers, by peer id.
     pub links: BTreeMap<NodeId, LinkStats>,
+    /// Model files on their way in (pulled from the registry or copied from a peer): the
+    /// percent done, in steps of 5 so that a transfer makes few events.
+    #[serde(default)]
+    pub fetching: BTreeMap<String, u8>,
 }
 
 /// A runner's life, as its node reports it.
@@ -307,6 +314,8 @@ mod tests {
             },
             models: vec![],
             links: BTreeMap::new(),
+            fetching: BTreeMap::new(),
+            hostname: String::new(),
         }
     }
 

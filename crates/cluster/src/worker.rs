@@ -216,6 +216,8 @@ mod tests {
                     },
                     models: if models { vec!["m".into()] } else { vec![] },
                     links: BTreeMap::new(),
+                    fetching: BTreeMap::new(),
+                    hostname: String::new(),
                 },
             );
         }

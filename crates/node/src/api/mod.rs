@@ -31,6 +31,7 @@ use shoal_runner::control::{ErrorKind, GenerateRequest, ToolCall};
 
 mod anthropic;
 mod autoplace;
+mod dashboard;
 mod metrics;
 mod ollama;
 mod openai;
@@ -116,7 +117,8 @@ async fn authorize(
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let open = request.uri().path() == "/health";
+    let path = request.uri().path();
+    let open = path == "/health" || dashboard::is_open(path);
     match &key {
         Some(k) if !open => match carried(request.headers()) {
             Some(given) if k.admits(given) => next.run(request).await,
@@ -145,6 +147,10 @@ pub async fn serve(
     events: tokio::sync::broadcast::Sender<String>,
 ) {
     let app = Router::new()
+        .route("/", get(dashboard::page))
+        .route("/ui/{file}", get(dashboard::asset))
+        .route("/favicon.ico", get(dashboard::favicon))
+        .route("/v1/catalog", get(dashboard::catalog))
         .route("/health", get(health))
         .route("/openapi.json", get(openapi::document))
         .route("/v1/status", get(status))

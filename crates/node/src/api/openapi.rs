@@ -32,6 +32,7 @@ use crate::daemon::ApiCall;
         super::ollama::pull,
         super::ollama::version,
         super::health,
+        super::dashboard::catalog,
         super::status,
         super::state,
         super::state_events,

@@ -27,10 +27,31 @@ impl Daemon {
             "instances": self.state.instances.values().map(|i| {
                 // The token stays inside the cluster's state, out of status output.
                 let mut v = serde_json::to_value(i).unwrap_or_default();
-                if let Some(o) = v.as_object_mut() { o.remove("token"); }
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("token");
+                    o.insert("memory".into(), serde_json::json!(Self::instance_memory(i)));
+                }
                 v
             }).collect::<Vec<_>>(),
         })
+    }
+
+    /// Placement's estimate of the bytes each rank of `i` holds (empty for a model
+    /// without a card).
+    fn instance_memory(i: &Instance) -> Vec<u64> {
+        Self::facts(&i.model)
+            .ok()
+            .and_then(|(facts, _)| {
+                shoal_cluster::placement::rank_memory(
+                    &facts,
+                    i.strategy,
+                    i.ranks.len(),
+                    i.context,
+                    PREFILL_CHUNK,
+                )
+                .ok()
+            })
+            .unwrap_or_default()
     }
 
     pub(super) fn on_api(&mut self, call: ApiCall) {

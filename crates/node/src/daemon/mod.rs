@@ -84,6 +84,8 @@ pub struct NodeConfig {
 }
 
 const TICK: Duration = Duration::from_millis(250);
+/// Positions per prefill chunk, as placement counts an instance's working memory.
+const PREFILL_CHUNK: usize = 256;
 /// A node silent for this long is dead.
 const NODE_TIMEOUT: Duration = Duration::from_millis(2500);
 /// How long a starting node listens before taking part in the election.
@@ -169,6 +171,8 @@ struct Daemon {
     streams: libp2p_stream::Control,
     store: Store,
     http: String,
+    /// This machine's host name, as the cluster shows it.
+    hostname: String,
     state: ClusterState,
     highest_term: u64,
     leading: bool,
@@ -302,6 +306,9 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         streams,
         store,
         http: http.clone(),
+        hostname: std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_default(),
         highest_term: state.term,
         state,
         leading: false,

@@ -133,7 +133,7 @@ impl Daemon {
             strategy,
             nodes,
             context: context.unwrap_or((card.context_length as usize).min(2048)),
-            chunk: 256,
+            chunk: PREFILL_CHUNK,
         })
     }
 

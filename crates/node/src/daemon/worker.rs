@@ -22,6 +22,7 @@ impl Daemon {
         NodeInfo {
             id: self.me.clone(),
             http: self.http.clone(),
+            hostname: self.hostname.clone(),
             resources: Resources {
                 memory_total: total,
                 // Rounded, so that small changes do not make events.
@@ -52,6 +53,11 @@ impl Daemon {
                         },
                     )
                 })
+                .collect(),
+            fetching: self
+                .fetch_progress
+                .iter()
+                .map(|(m, f)| (m.clone(), ((f * 100.0) as u8).min(100) / 5 * 5))
                 .collect(),
         }
     }
