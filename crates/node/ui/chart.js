@@ -5,7 +5,7 @@
 import { h, s, fill } from "./util.js";
 import { send } from "./api.js";
 
-const EVERY = 3000;
+const EVERY = 2000;
 const SPAN = 300; // seconds shown
 const COLORS = ["#1f6feb", "#d4622a", "#1a7f37", "#8250df", "#bf3989", "#9a6700"];
 
@@ -68,9 +68,13 @@ function plot(title, unit, key, now) {
   const x = (t) => pad.l + ((t - (now - SPAN)) / SPAN) * (W - pad.l - pad.r);
   const y = (v) => H - pad.b - (v / max) * (H - pad.t - pad.b);
   const lines = [...series.entries()].map(([model, list], i) => {
-    const pts = list.filter((p) => p[key] !== null).map((p) => `${x(p.t).toFixed(1)},${y(p[key]).toFixed(1)}`);
-    return s("polyline", { points: pts.join(" "), fill: "none", stroke: COLORS[i % COLORS.length], "stroke-width": 2 },
-      s("title", {}, model));
+    const color = COLORS[i % COLORS.length];
+    const shown = list.filter((p) => p[key] !== null);
+    const pts = shown.map((p) => `${x(p.t).toFixed(1)},${y(p[key]).toFixed(1)}`);
+    return s("g", {},
+      s("polyline", { points: pts.join(" "), fill: "none", stroke: color, "stroke-width": 2 }, s("title", {}, model)),
+      // A lone reading still shows.
+      shown.map((p) => s("circle", { cx: x(p.t), cy: y(p[key]), r: 2, fill: color })));
   });
   return s("svg", { viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title },
     s("text", { x: pad.l, y: 12 }, `${title} (${unit})`),

@@ -63,6 +63,15 @@ with sync_playwright() as p:
     page.get_by_test_id("key-input").fill(KEY)
     page.get_by_test_id("key-ok").click()
 
+    step("markdown: code blocks and lists render; markup in an answer stays text")
+    html = page.evaluate("""async () => {
+        const m = await import('/ui/markdown.js');
+        return m.render('# Title\\n\\n- one `x<y`\\n- **two**\\n\\n```rust\\nfn main() {}\\n```\\n<img src=x onerror=alert(1)>');
+    }""")
+    assert '<pre><code class="language-rust">fn main() {}</code></pre>' in html, html
+    assert "<li>one <code>x&lt;y</code></li><li><strong>two</strong></li>" in html, html
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html, html
+
     step(f"the topology shows {MACHINES} machines and a master")
     expect(page.get_by_test_id("machine")).to_have_count(MACHINES, timeout=30_000)
     expect(page.locator(".badge.master")).to_have_count(1, timeout=10_000)
