@@ -2,9 +2,10 @@
 //! (Playwright for Python, `executable_path`) against a 2-host cluster whose nodes
 //! listen on their network address with an API key, as a user would start them. The
 //! page asks for the key, shows both machines, previews and launches a pipeline over
-//! both (copying the model to host 2, which lacks it), chats, stops a long answer, is checked at 375 px in dark mode, and sees host 2's
-//! node leave when it is killed. Screenshots go to `$SHOAL_ARTIFACTS/dashboard` (CI sets
-//! it), else the target's temporary folder.
+//! both (copying the model to host 2, which lacks it), chats, stops a long answer, is
+//! checked at 375 px in dark mode, deletes the instance, and sees host 2's node leave
+//! when it is killed. Screenshots go to `$SHOAL_ARTIFACTS/dashboard` (CI sets it), else
+//! the target's temporary folder.
 
 use shoal_testbed::{Cluster, Testbed, eventually, install_from_store};
 use std::path::{Path, PathBuf};

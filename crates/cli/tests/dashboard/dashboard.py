@@ -1,7 +1,7 @@
 """The dashboard in a real browser (Debian's Chromium, driven by Playwright) against a
 running cluster: asks for the API key, sees every machine, previews and launches a
-pipeline instance, chats with it, stops a long answer, shows a narrow dark page, and sees
-a killed machine leave. Screenshots go to OUT.
+pipeline instance, chats with it, stops a long answer, shows a narrow dark page, deletes
+the instance, and sees a killed machine leave. Screenshots go to OUT.
 
 usage: dashboard.py BASE_URL API_KEY MODEL MACHINES KILL_PID OUT
 """
@@ -157,6 +157,13 @@ with sync_playwright() as p:
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 375, f"{testid} off screen: {box}"
     shot(small, "07-narrow-dark.png")
     narrow.close()
+
+    step("delete asks once more, then the instance is gone from the page and the cluster")
+    instance.get_by_test_id("delete").click()
+    expect(instance.get_by_test_id("delete")).to_have_text("Really delete?")
+    instance.get_by_test_id("delete").click()
+    expect(page.get_by_test_id("instance")).to_have_count(0, timeout=15_000)
+    assert not status()["instances"], status()["instances"]
 
     step("a killed machine leaves the topology")
     os.kill(KILL_PID, signal.SIGKILL)
