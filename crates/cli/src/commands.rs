@@ -49,6 +49,9 @@ enum Command {
     },
     /// Measure prompt and generation speed.
     Bench(BenchArgs),
+    /// Streaming clients against a node for a while (every API, varied prompts, some
+    /// that cancel); what became of every request. Fails on any request lost or failed.
+    Load(crate::load::LoadArgs),
     /// Score a text file: perplexity and the arg-max prediction at every position.
     Perplexity(PerplexityArgs),
     /// Run this machine's node: join the cluster, take part in it, run its runners.
@@ -346,6 +349,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Pull { name } => pull(&name),
         Command::Models { json } => models(json),
         Command::Bench(args) => bench(args),
+        Command::Load(args) => crate::load::command(args),
         Command::Perplexity(args) => perplexity(args),
         Command::Rank(args) => serve_rank(args),
         Command::Node(args) => node(args),

@@ -4,6 +4,7 @@
 
 mod bench_node;
 mod commands;
+mod load;
 
 use std::process::ExitCode;
 
