@@ -82,7 +82,10 @@ fn load(c: &Cluster, models: &[&str]) {
         "shoal load failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains(" 0 failed, 0 vanished"), "{stdout}");
+    assert!(
+        stdout.contains(" 0 failed, 0 vanished, 0 stalled"),
+        "{stdout}"
+    );
 }
 
 /// One after the other, not in parallel: on two cores the runs would share them.

@@ -21,6 +21,7 @@
 //! Root is required. [`Testbed::for_test`] fails the test when namespaces cannot be
 //! made, unless `SHOAL_SKIP_NETNS` is set (for local runs without root only).
 
+pub mod chaos;
 mod netns;
 mod process;
 mod relay;

@@ -45,6 +45,10 @@ pub struct LoadArgs {
     /// Seconds a request may take before it counts as stalled.
     #[arg(long, default_value_t = 120)]
     stall: u64,
+    /// Faults are being made (a chaos run): failed requests are expected; only a request
+    /// that vanished or stalled, or a sequence left held, fails the run.
+    #[arg(long)]
+    expect_faults: bool,
     /// The report as JSON.
     #[arg(long)]
     json: bool,
@@ -59,6 +63,7 @@ pub fn command(a: LoadArgs) -> Result<()> {
         apis: Api::parse(&a.api).map_err(anyhow::Error::msg)?,
         seed: a.seed,
         stall: Duration::from_secs(a.stall),
+        faults_expected: a.expect_faults,
     };
     let r = run(&o)?;
     if a.json {
@@ -68,9 +73,10 @@ pub fn command(a: LoadArgs) -> Result<()> {
     }
     if !r.passed() {
         bail!(
-            "the load run failed: {} failed, {} vanished, {} instance failures, {} stuck",
+            "the load run failed: {} failed, {} vanished, {} stalled, {} instance failures, {} stuck",
             r.failed,
             r.vanished,
+            r.stalled,
             r.instance_failures,
             r.stuck
         );
@@ -87,6 +93,7 @@ pub struct Options {
     pub seed: u64,
     /// A request with no end by then counts as stalled.
     pub stall: Duration,
+    pub faults_expected: bool,
 }
 
 /// What became of one request.
@@ -98,6 +105,8 @@ pub enum Outcome {
     Failed(String),
     /// The stream stopped with neither its end nor an error.
     Vanished(String),
+    /// No end, nor an error, within the stall timeout.
+    Stalled(String),
 }
 
 #[derive(Debug, Serialize)]
@@ -149,7 +158,7 @@ fn one(
         Ok(r) => r,
         Err(ureq::Error::Timeout(_)) => {
             return (
-                Outcome::Failed(format!("no answer within {:?}", o.stall)),
+                Outcome::Stalled(format!("no answer within {:?}", o.stall)),
                 None,
                 vec![],
                 0,
@@ -190,7 +199,7 @@ fn follow(
             let line = match line {
                 Ok(l) => l,
                 Err(e) if timed_out(&e) => {
-                    break 'read Outcome::Failed(format!("stalled: no end within {stall:?}"));
+                    break 'read Outcome::Stalled(format!("no end within {stall:?}"));
                 }
                 Err(e) => {
                     break 'read Outcome::Vanished(format!(
@@ -233,6 +242,10 @@ pub struct Report {
     pub cancelled: usize,
     pub failed: usize,
     pub vanished: usize,
+    pub stalled: usize,
+    /// Failures were expected (a chaos run): only vanished or stalled requests and
+    /// sequences left held fail the run.
+    pub faults_expected: bool,
     /// Instances that failed, or were placed again, while the clients ran.
     pub instance_failures: usize,
     /// Sequences the node still held 10 s after the clients stopped.
@@ -243,7 +256,7 @@ pub struct Report {
     pub ttft_p99_ms: f64,
     pub itl_p50_ms: f64,
     pub itl_p99_ms: f64,
-    /// Per kind: answered, cancelled, failed, vanished.
+    /// Per kind: answered, cancelled, failed, vanished or stalled.
     pub by_kind: Vec<(Kind, [usize; 4])>,
     /// What failed, first ones first (at most 20).
     pub failures: Vec<String>,
@@ -252,7 +265,8 @@ pub struct Report {
 
 impl Report {
     pub fn passed(&self) -> bool {
-        self.failed == 0 && self.vanished == 0 && self.instance_failures == 0 && self.stuck == 0
+        let lost = self.vanished + self.stalled + self.stuck;
+        lost == 0 && (self.faults_expected || self.failed + self.instance_failures == 0)
     }
 }
 
@@ -284,7 +298,7 @@ fn report(
             Outcome::Answered => 0,
             Outcome::Cancelled => 1,
             Outcome::Failed(_) => 2,
-            Outcome::Vanished(_) => 3,
+            Outcome::Vanished(_) | Outcome::Stalled(_) => 3,
         };
         by_kind.entry(r.kind).or_default()[slot] += 1;
     }
@@ -299,6 +313,8 @@ fn report(
         cancelled: count(&|o| *o == Outcome::Cancelled),
         failed: count(&|o| matches!(o, Outcome::Failed(_))),
         vanished: count(&|o| matches!(o, Outcome::Vanished(_))),
+        stalled: count(&|o| matches!(o, Outcome::Stalled(_))),
+        faults_expected: o.faults_expected,
         instance_failures: w.instance_failures,
         stuck: w.stuck,
         tokens,
@@ -311,7 +327,7 @@ fn report(
         failures: records
             .iter()
             .filter_map(|r| match &r.outcome {
-                Outcome::Failed(w) | Outcome::Vanished(w) => Some(format!(
+                Outcome::Failed(w) | Outcome::Vanished(w) | Outcome::Stalled(w) => Some(format!(
                     "at {:.1} s, client {} ({}, {:?}, {:?}): {w}",
                     r.at_s, r.client, r.model, r.api, r.kind
                 )),
@@ -387,7 +403,7 @@ pub fn run(o: &Options) -> Result<Report> {
 
 pub fn print(r: &Report) {
     println!(
-        "{} clients for {:.0} s against {} ({}): {} requests: {} answered, {} cancelled, {} failed, {} vanished; {} instance failures, {} sequences stuck",
+        "{} clients for {:.0} s against {} ({}): {} requests: {} answered, {} cancelled, {} failed, {} vanished, {} stalled; {} instance failures, {} sequences stuck",
         r.clients,
         r.seconds,
         r.node,
@@ -397,6 +413,7 @@ pub fn print(r: &Report) {
         r.cancelled,
         r.failed,
         r.vanished,
+        r.stalled,
         r.instance_failures,
         r.stuck
     );
@@ -473,7 +490,7 @@ mod tests {
         let late = std::io::Error::new(std::io::ErrorKind::TimedOut, "late");
         assert!(matches!(
             ended(Api::OpenAi, None, vec![Err(late)]).0,
-            Outcome::Failed(_)
+            Outcome::Stalled(_)
         ));
     }
 
@@ -502,6 +519,7 @@ mod tests {
             apis: Api::ALL.to_vec(),
             seed: 1,
             stall: Duration::from_secs(1),
+            faults_expected: false,
         };
         let models = ["m".to_string()];
         let mut records = vec![
