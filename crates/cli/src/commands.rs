@@ -310,11 +310,27 @@ struct BenchArgs {
     /// With --node: a warm-up request first.
     #[arg(long)]
     warmup: bool,
-    /// Prompt tokens (default 512; with --node, a short chat question).
+    /// Prompt tokens (default 512; with --node, a short chat question). With --sweep, a
+    /// comma-separated list (0: the short question).
+    #[arg(long, value_delimiter = ',')]
+    pp: Vec<usize>,
+    /// Tokens to generate; with --sweep, a comma-separated list.
+    #[arg(long, value_delimiter = ',', default_value = "128")]
+    tg: Vec<usize>,
+    /// With --node: place an instance of the model for each of --strategies and
+    /// --rank-counts (deleting it after), and bench each over every --pp, --tg and
+    /// --concurrency.
+    #[arg(long, requires = "node")]
+    sweep: bool,
+    /// With --sweep: the strategies, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "pipeline")]
+    strategies: Vec<String>,
+    /// With --sweep: the rank counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    rank_counts: Vec<usize>,
+    /// With --sweep: an SVG plot of total tok/s against clients.
     #[arg(long)]
-    pp: Option<usize>,
-    #[arg(long, default_value_t = 128)]
-    tg: usize,
+    plot: Option<PathBuf>,
     #[arg(long, short = 'r', default_value_t = 3)]
     repeat: usize,
     #[arg(long, default_value_t = 512)]
@@ -1074,13 +1090,52 @@ fn bar(len: u64, msg: &str) -> ProgressBar {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
+    let first = |list: &[usize], or: usize| list.first().copied().unwrap_or(or);
+    if let (true, Some(node)) = (args.sweep, &args.node) {
+        let options = crate::sweep::Options {
+            node: node.clone(),
+            model: args.model.model.clone(),
+            strategies: args.strategies.clone(),
+            ranks: args.rank_counts.clone(),
+            pp: if args.pp.is_empty() {
+                vec![0]
+            } else {
+                args.pp.clone()
+            },
+            tg: args.tg.clone(),
+            concurrency: args.concurrency.clone(),
+            repeat: args.repeat.max(1),
+            ctx: args.model.ctx.unwrap_or(2048),
+        };
+        let runs = crate::sweep::run(&options)?;
+        if let Some(path) = &args.plot {
+            crate::sweep::plot(&args.model.model, &runs, path)?;
+            eprintln!("plot: {}", path.display());
+        }
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&runs)?);
+        } else {
+            crate::sweep::print(&args.model.model, &runs);
+        }
+        if let Some(r) = runs.iter().find(|r| r.failed.is_some()) {
+            bail!(
+                "{} ×{} pp {} tg {}: {}",
+                r.strategy,
+                r.ranks,
+                r.pp,
+                r.tg,
+                r.failed.as_deref().unwrap_or_default()
+            );
+        }
+        return Ok(());
+    }
     if let Some(node) = &args.node {
         let options = crate::bench_node::Options {
             node: node.clone(),
             model: Some(args.model.model.clone()),
             concurrency: args.concurrency.clone(),
-            pp: args.pp.unwrap_or(0),
-            tg: args.tg,
+            pp: first(&args.pp, 0),
+            tg: first(&args.tg, 128),
             repeat: args.repeat.max(1),
             warmup: args.warmup,
         };
@@ -1101,8 +1156,8 @@ fn bench(args: BenchArgs) -> Result<()> {
     unsafe { std::env::set_var("SHOAL_KERNELS", &args.kernels) };
     let mut loaded = Loaded::open(&args.model)?;
     let config = BenchConfig {
-        pp: args.pp.unwrap_or(512),
-        tg: args.tg,
+        pp: first(&args.pp, 512),
+        tg: first(&args.tg, 128),
         repeat: args.repeat.max(1),
         prefill_chunk: args.prefill_chunk,
     };

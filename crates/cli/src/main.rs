@@ -5,6 +5,7 @@
 mod bench_node;
 mod commands;
 mod load;
+mod sweep;
 
 use std::process::ExitCode;
 
