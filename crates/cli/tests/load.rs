@@ -1,7 +1,6 @@
-//! `shoal bench --sweep` and `shoal load` on separate hosts. The sweep places and
-//! deletes its own instances and plots them. Then six streaming clients (every API,
-//! short, long and shared-prefix prompts, clients that cancel or walk away) against a
-//! 2-host tensor instance, and against a 2-host pipeline instance with a second model on one of its
+//! `shoal load` on separate hosts: six streaming clients (every API, short, long and
+//! shared-prefix prompts, clients that cancel or walk away) against a 2-host tensor
+//! instance, and against a 2-host pipeline instance with a second model on one of its
 //! hosts. Each run must end with no failed or vanished request, no instance failure and
 //! nothing held once the clients stop (`shoal load` exits non-zero otherwise).
 //!
@@ -89,57 +88,6 @@ fn load(c: &Cluster, models: &[&str]) {
     );
 }
 
-/// `shoal bench --sweep` over both strategies at 1 and 2 ranks, short: every run
-/// answered, a plot written, and no instance left behind.
-fn sweep(c: &Cluster) {
-    let plot = c.root().join("sweep.svg");
-    let plot_arg = plot.to_string_lossy().to_string();
-    let out = c.nodes[0].cli(&[
-        "bench",
-        "--node",
-        "127.0.0.1:52415",
-        "--sweep",
-        "--strategies",
-        "pipeline,tensor",
-        "--rank-counts",
-        "1,2",
-        "--pp",
-        "0,64",
-        "--tg",
-        "8",
-        "--concurrency",
-        "1,2",
-        "--repeat",
-        "1",
-        "--json",
-        "--plot",
-        &plot_arg,
-    ]);
-    let stdout = succeed(out, "shoal bench --sweep");
-    let runs: Vec<serde_json::Value> = serde_json::from_str(&stdout).expect("the sweep's JSON");
-    assert_eq!(runs.len(), 8, "{stdout}");
-    for r in &runs {
-        assert!(r["failed"].is_null(), "{r}");
-        let rows = r["rows"].as_array().expect("rows");
-        assert_eq!(rows.len(), 2, "{r}");
-        assert!(
-            rows.iter().all(|w| w["total_tok_s"].as_f64() > Some(0.0)),
-            "{r}"
-        );
-        assert!(
-            r["peak_memory"].as_array().is_some_and(|m| m.len() == 2),
-            "{r}"
-        );
-    }
-    let svg = std::fs::read_to_string(&plot).expect("the plot");
-    assert!(
-        svg.contains("<svg") && svg.contains("tensor ×2, pp 64, tg 8"),
-        "{svg}"
-    );
-    let left = c.nodes[0].status().expect("status")["instances"].clone();
-    assert_eq!(left, serde_json::json!([]), "the sweep left instances");
-}
-
 /// One after the other, not in parallel: on two cores the runs would share them.
 #[test]
 fn six_clients_lose_nothing_on_a_tensor_instance_and_on_a_pipeline_beside_a_second_model() {
@@ -147,7 +95,6 @@ fn six_clients_lose_nothing_on_a_tensor_instance_and_on_a_pipeline_beside_a_seco
         let Some(c) = cluster(&[]) else {
             return;
         };
-        sweep(&c);
         place(&c, SMALL, "tensor", "2");
         ready(&c, 1);
         load(&c, &[SMALL]);
