@@ -113,16 +113,16 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 
 /// Runs every concurrency in turn.
 /// The models of the node's cluster with a ready instance.
-fn ready_models(o: &Options) -> Result<Vec<String>> {
+pub(crate) fn ready_models(node: &str) -> Result<Vec<String>> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(Duration::from_secs(10)))
         .build()
         .into();
-    let url = format!("http://{}/v1/instances", o.node);
+    let url = format!("http://{node}/v1/instances");
     let resp = crate::commands::keyed(agent.get(&url))
         .call()
-        .with_context(|| format!("cannot reach the node at {}", o.node))?;
+        .with_context(|| format!("cannot reach the node at {node}"))?;
     let status = resp.status().as_u16();
     let text = resp.into_body().read_to_string().unwrap_or_default();
     if status != 200 {
@@ -143,7 +143,7 @@ fn ready_models(o: &Options) -> Result<Vec<String>> {
 /// that became, not of the instance meant.
 pub fn run(o: &Options) -> Result<Vec<Row>> {
     if let Some(model) = &o.model {
-        let ready = ready_models(o)?;
+        let ready = ready_models(&o.node)?;
         if !ready.contains(model) {
             bail!(
                 "no ready instance of {model} on the node's cluster (ready: {}); place one \

@@ -345,7 +345,7 @@ pub fn run(o: &Options) -> Result<Report> {
         bail!("--clients must be at least 1");
     }
     let models = if o.models.is_empty() {
-        match watch::ready_models(&o.node)?.into_iter().next() {
+        match crate::bench_node::ready_models(&o.node)?.into_iter().next() {
             Some(m) => vec![m],
             None => bail!("no ready instance on the node's cluster: name one with --model"),
         }

@@ -37,18 +37,6 @@ fn status(node: &str) -> Result<Value> {
     serde_json::from_str(&text).context("the node's status")
 }
 
-/// The models with a ready instance.
-pub fn ready_models(node: &str) -> Result<Vec<String>> {
-    let s = status(node)?;
-    Ok(s["instances"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|i| i["status"]["state"] == "ready")
-        .filter_map(|i| i["model"].as_str().map(str::to_string))
-        .collect())
-}
-
 /// Per instance id: its state and attempt.
 fn instances(s: &Value) -> HashMap<String, (String, u64)> {
     s["instances"]
