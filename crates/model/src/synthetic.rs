@@ -81,9 +81,36 @@ impl Rng {
     }
 }
 
-/// A byte-level vocabulary of `n` tokens: the 256 byte symbols of GPT-2's BPE, fillers,
-/// and an end-of-text token last. Text tokenizes byte by byte (there are no merges), which
-/// is all a generated model needs to be run and benchmarked end to end.
+/// The one merge of a generated vocabulary (two spaces' symbols into one token): other
+/// readers of GGUF (llama.cpp) refuse a BPE vocabulary without a list of merges.
+const MERGE: (&str, &str) = ("\u{120}", "\u{120}");
+
+/// llama.cpp's `general.file_type` for a file whose matrices are `dtype` (its
+/// `LLAMA_FTYPE_MOSTLY_*`; K-quants as their `_M` mixes, the nearest it names).
+fn file_type(dtype: GgmlDType) -> u32 {
+    match dtype {
+        GgmlDType::F32 => 0,
+        GgmlDType::F16 => 1,
+        GgmlDType::Q4_0 => 2,
+        GgmlDType::Q4_1 => 3,
+        GgmlDType::Q8_0 => 7,
+        GgmlDType::Q5_0 => 8,
+        GgmlDType::Q5_1 => 9,
+        GgmlDType::Q2K => 10,
+        GgmlDType::Q3K => 12,
+        GgmlDType::Q4K => 15,
+        GgmlDType::Q5K => 17,
+        GgmlDType::Q6K => 18,
+        GgmlDType::BF16 => 32,
+        // Q8_1 and Q8_K are activations' types, never a file's.
+        _ => 7,
+    }
+}
+
+/// A byte-level vocabulary of `n` tokens: the 256 byte symbols of GPT-2's BPE, the
+/// [`MERGE`]d token when there is room, fillers, and an end-of-text token last. Text
+/// tokenizes byte by byte but for double spaces, which is all a generated model needs
+/// to be run and benchmarked end to end.
 fn vocab(n: usize) -> Vec<String> {
     let printable =
         |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
@@ -100,6 +127,9 @@ fn vocab(n: usize) -> Vec<String> {
         })
         .collect();
     out.truncate(n.saturating_sub(1));
+    if out.len() + 1 < n {
+        out.push(format!("{}{}", MERGE.0, MERGE.1));
+    }
     while out.len() + 1 < n {
         out.push(format!("<|filler{}|>", out.len()));
     }
@@ -320,12 +350,20 @@ fn write(
                     .collect(),
             ),
         ),
-        ("tokenizer.ggml.merges".into(), V::Array(vec![])),
         (
             "tokenizer.ggml.eos_token_id".into(),
             V::U32(s.vocab as u32 - 1),
         ),
+        ("general.file_type".into(), V::U32(file_type(dtype))),
     ];
+    let mut meta = meta;
+    if s.vocab > 257 {
+        let merge = format!("{} {}", MERGE.0, MERGE.1);
+        meta.push((
+            "tokenizer.ggml.merges".into(),
+            V::Array(vec![V::String(merge)]),
+        ));
+    }
     let meta_refs: Vec<(&str, &V)> = meta.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let mut f = std::fs::File::create(path).map_err(|source| ModelError::Io {
