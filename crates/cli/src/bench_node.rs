@@ -9,51 +9,81 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
-/// One request's times.
+/// One request's times and tokens.
 struct Sample {
     ttft: Duration,
     gaps: Vec<Duration>,
+    /// Generated tokens, as the runner counted them.
     tokens: usize,
     decode: Duration,
+    /// Prompt tokens, all and computed (the prefix cache's left out), and the runner's
+    /// time for them, from the answer's usage and timings.
+    prompt_tokens: usize,
+    prompt_computed: usize,
+    prefill: Duration,
 }
 
 /// One concurrency's figures.
 #[derive(Serialize)]
 pub struct Row {
     pub clients: usize,
+    /// Requests answered (the figures are theirs).
     pub requests: usize,
+    /// Requests that failed, each with the node's reason in `errors`.
+    pub failed: usize,
+    /// Prompt tokens per request, the mean (exactly `--pp` when it is not 0).
+    pub prompt_tokens: f64,
     pub total_tok_s: f64,
     pub per_request_tok_s: f64,
+    /// Prompt tokens per second of prefill, the mean over requests.
+    pub prompt_tok_s: f64,
     pub ttft_p50_ms: f64,
     pub ttft_p99_ms: f64,
     pub itl_p50_ms: f64,
     pub itl_p99_ms: f64,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub errors: Vec<String>,
 }
 
 pub struct Options {
     pub node: String,
     pub model: Option<String>,
     pub concurrency: Vec<usize>,
-    /// Prompt length in (about) tokens; 0 is a short chat question.
+    /// Prompt length in tokens, exactly; 0 is a short chat question.
     pub pp: usize,
     pub tg: usize,
     pub repeat: usize,
     pub warmup: bool,
 }
 
+/// `n` token ids, the same for the same `(client, request)` and different otherwise, so
+/// that neither the prefix cache nor a repeated word makes the prompt cheaper. The ids
+/// lie in 1000..9000: ordinary words in every vocabulary shoal serves (special tokens
+/// sit at either end of a vocabulary).
+pub(crate) fn prompt_ids(n: usize, client: usize, request: usize) -> Vec<u32> {
+    let mut x = (client as u64) << 32 ^ request as u64 ^ 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            // xorshift64*
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            1000 + (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) as u32 % 8000
+        })
+        .collect()
+}
+
 fn body(o: &Options, client: usize, n: usize) -> serde_json::Value {
-    let (prompt, raw) = if o.pp == 0 {
-        (
-            format!("Tell me a long story about a lighthouse, number {client}-{n}."),
-            false,
-        )
+    let mut b = serde_json::json!({
+        "model": o.model, "max_tokens": o.tg, "temperature": 0,
+    });
+    if o.pp == 0 {
+        b["prompt"] =
+            format!("Tell me a long story about a lighthouse, number {client}-{n}.").into();
     } else {
-        // A repeated word is about one token each; a distinct head keeps prompts apart.
-        (format!("{client} {n} {}", "lighthouse ".repeat(o.pp)), true)
-    };
-    serde_json::json!({
-        "model": o.model, "prompt": prompt, "raw": raw, "max_tokens": o.tg, "temperature": 0,
-    })
+        b["prompt_ids"] = prompt_ids(o.pp, client, n).into();
+    }
+    b
 }
 
 fn one(o: &Options, client: usize, n: usize) -> Result<Sample> {
@@ -73,7 +103,7 @@ fn one(o: &Options, client: usize, n: usize) -> Result<Sample> {
         bail!("the node answered {status}: {text}");
     }
     let reader = std::io::BufReader::new(resp.into_body().into_reader());
-    let (mut first, mut last, mut gaps, mut tokens) = (None, start, Vec::new(), 0);
+    let (mut first, mut last, mut gaps) = (None, start, Vec::new());
     for line in reader.lines() {
         let line = line.context("the stream broke")?;
         if line.trim().is_empty() {
@@ -87,14 +117,19 @@ fn one(o: &Options, client: usize, n: usize) -> Result<Sample> {
             }
             first.get_or_insert(now);
             last = now;
-            tokens += 1;
         } else if v.get("done").is_some() {
             let first = first.unwrap_or(last);
+            let usage = |k: &str| v["usage"][k].as_u64().unwrap_or(0) as usize;
             return Ok(Sample {
                 ttft: first - start,
                 gaps,
-                tokens,
+                tokens: usage("completion_tokens"),
+                prompt_tokens: usage("prompt_tokens"),
                 decode: last - first,
+                prompt_computed: usage("prompt_tokens").saturating_sub(usage("cached_tokens")),
+                prefill: Duration::from_secs_f64(
+                    v["timings"]["prefill_ms"].as_f64().unwrap_or(0.0) / 1e3,
+                ),
             });
         } else if let Some(e) = v.get("error") {
             bail!("the answer failed: {e}");
@@ -111,24 +146,9 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e3
 }
 
-/// Runs every concurrency in turn.
 /// The models of the node's cluster with a ready instance.
 pub(crate) fn ready_models(node: &str) -> Result<Vec<String>> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(10)))
-        .build()
-        .into();
-    let url = format!("http://{node}/v1/instances");
-    let resp = crate::commands::keyed(agent.get(&url))
-        .call()
-        .with_context(|| format!("cannot reach the node at {node}"))?;
-    let status = resp.status().as_u16();
-    let text = resp.into_body().read_to_string().unwrap_or_default();
-    if status != 200 {
-        bail!("the node answered {status} to GET /v1/instances: {text}");
-    }
-    let v: serde_json::Value = serde_json::from_str(&text).context("the node's instances")?;
+    let v = crate::node_api::get(node, "/v1/instances")?;
     Ok(v["instances"]
         .as_array()
         .into_iter()
@@ -162,20 +182,30 @@ pub fn run(o: &Options) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &clients in &o.concurrency {
         let started = Instant::now();
-        let samples: Vec<Sample> = std::thread::scope(|s| {
+        let results: Vec<Result<Sample>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..clients)
                 .map(|c| {
-                    s.spawn(move || -> Result<Vec<Sample>> {
+                    s.spawn(move || -> Vec<Result<Sample>> {
                         (0..o.repeat.max(1)).map(|n| one(o, c + 1, n + 1)).collect()
                     })
                 })
                 .collect();
             handles
                 .into_iter()
-                .map(|h| h.join().map_err(|_| anyhow::anyhow!("a client panicked"))?)
-                .collect::<Result<Vec<Vec<Sample>>>>()
-                .map(|v| v.into_iter().flatten().collect())
-        })?;
+                .flat_map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| vec![Err(anyhow::anyhow!("a client panicked"))])
+                })
+                .collect()
+        });
+        let mut errors = Vec::new();
+        let mut samples = Vec::new();
+        for r in results {
+            match r {
+                Ok(s) => samples.push(s),
+                Err(e) => errors.push(format!("{e:#}")),
+            }
+        }
         let wall = started.elapsed().as_secs_f64();
         let tokens: usize = samples.iter().map(|s| s.tokens).sum();
         let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
@@ -187,33 +217,52 @@ pub fn run(o: &Options) -> Result<Vec<Row>> {
             .filter(|s| s.tokens > 1 && !s.decode.is_zero())
             .map(|s| (s.tokens - 1) as f64 / s.decode.as_secs_f64())
             .collect();
+        let prompt: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.prompt_computed > 0 && !s.prefill.is_zero())
+            .map(|s| s.prompt_computed as f64 / s.prefill.as_secs_f64())
+            .collect();
         rows.push(Row {
             clients,
             requests: samples.len(),
+            failed: errors.len(),
+            prompt_tokens: samples.iter().map(|s| s.prompt_tokens).sum::<usize>() as f64
+                / samples.len().max(1) as f64,
             total_tok_s: tokens as f64 / wall,
             per_request_tok_s: per.iter().sum::<f64>() / per.len().max(1) as f64,
+            prompt_tok_s: prompt.iter().sum::<f64>() / prompt.len().max(1) as f64,
             ttft_p50_ms: percentile(&ttft, 0.5),
             ttft_p99_ms: percentile(&ttft, 0.99),
             itl_p50_ms: percentile(&gaps, 0.5),
             itl_p99_ms: percentile(&gaps, 0.99),
+            errors,
         });
     }
     Ok(rows)
 }
 
+/// How many requests failed and the first one's reason, if any did.
+pub fn first_failure(rows: &[Row]) -> Option<String> {
+    let failed: usize = rows.iter().map(|r| r.failed).sum();
+    let first = rows.iter().flat_map(|r| r.errors.first()).next()?;
+    Some(format!("{failed} request(s) failed; the first: {first}"))
+}
+
 pub fn print(model: &str, rows: &[Row]) {
     println!("{model}:");
     println!(
-        "| clients | requests | total tok/s | per request tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
+        "| clients | requests ok | failed | total tok/s | per request tok/s | prompt tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {:.1} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.0} | {:.1} | {:.1} |",
             r.clients,
             r.requests,
+            r.failed,
             r.total_tok_s,
             r.per_request_tok_s,
+            r.prompt_tok_s,
             r.ttft_p50_ms,
             r.ttft_p99_ms,
             r.itl_p50_ms,

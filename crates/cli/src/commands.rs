@@ -237,6 +237,37 @@ struct NodeArgs {
     /// placing one (pulling the model if no node has it) and answering once it is ready.
     #[arg(long)]
     no_auto_place: bool,
+    /// The most memory this node offers to models, e.g. 12G or 800M (its runners count
+    /// against it); default: whatever the machine has free.
+    #[arg(long, value_parser = parse_size)]
+    memory: Option<u64>,
+}
+
+/// A size in bytes: a number with an optional K, M, G or T (powers of 1024; `KiB`,
+/// `MB` and the like mean the same).
+fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(digits);
+    let number: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 800M, 12G)"))?;
+    let shift = match unit
+        .trim()
+        .to_ascii_uppercase()
+        .trim_end_matches("IB")
+        .trim_end_matches('B')
+    {
+        "" => 0,
+        "K" => 10,
+        "M" => 20,
+        "G" => 30,
+        "T" => 40,
+        _ => return Err(format!("{text:?}: the unit is K, M, G or T")),
+    };
+    Ok((number * (1u64 << shift) as f64) as u64)
 }
 
 #[derive(Args, Debug)]
@@ -310,8 +341,9 @@ struct BenchArgs {
     /// With --node: a warm-up request first.
     #[arg(long)]
     warmup: bool,
-    /// Prompt tokens (default 512; with --node, a short chat question). With --sweep, a
-    /// comma-separated list (0: the short question).
+    /// Prompt tokens (default 512). With --node, exactly that many (random ordinary
+    /// tokens, different for every request), or 0 (the default there): a short chat
+    /// question. With --sweep, a comma-separated list.
     #[arg(long, value_delimiter = ',')]
     pp: Vec<usize>,
     /// Tokens to generate; with --sweep, a comma-separated list.
@@ -325,7 +357,8 @@ struct BenchArgs {
     /// With --sweep: the strategies, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "pipeline")]
     strategies: Vec<String>,
-    /// With --sweep: the rank counts, comma-separated.
+    /// With --sweep: the rank counts, comma-separated (1 is measured once, whatever the
+    /// strategies: one rank holds the whole model).
     #[arg(long, value_delimiter = ',', default_value = "1")]
     rank_counts: Vec<usize>,
     /// With --sweep: an SVG plot of total tok/s against clients.
@@ -630,6 +663,7 @@ fn node(args: NodeArgs) -> Result<()> {
         api_key,
         insecure: args.insecure,
         auto_place: !args.no_auto_place,
+        memory_limit: args.memory,
     })
 }
 
@@ -1117,15 +1151,8 @@ fn bench(args: BenchArgs) -> Result<()> {
         } else {
             crate::sweep::print(&args.model.model, &runs);
         }
-        if let Some(r) = runs.iter().find(|r| r.failed.is_some()) {
-            bail!(
-                "{} ×{} pp {} tg {}: {}",
-                r.strategy,
-                r.ranks,
-                r.pp,
-                r.tg,
-                r.failed.as_deref().unwrap_or_default()
-            );
+        if let Some(why) = crate::sweep::first_failure(&runs) {
+            bail!("{why}");
         }
         return Ok(());
     }
@@ -1144,6 +1171,9 @@ fn bench(args: BenchArgs) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&rows)?);
         } else {
             crate::bench_node::print(&args.model.model, &rows);
+        }
+        if let Some(why) = crate::bench_node::first_failure(&rows) {
+            bail!("{why}");
         }
         return Ok(());
     }
@@ -1256,4 +1286,20 @@ fn perplexity(args: PerplexityArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_are_read_in_powers_of_1024() {
+        assert_eq!(parse_size("800M"), Ok(800 << 20));
+        assert_eq!(parse_size("12G"), Ok(12 << 30));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("2 kb"), Ok(2048));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("3X").is_err());
+    }
 }

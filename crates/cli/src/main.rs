@@ -5,6 +5,7 @@
 mod bench_node;
 mod commands;
 mod load;
+mod node_api;
 mod sweep;
 
 use std::process::ExitCode;

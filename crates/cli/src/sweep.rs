@@ -40,29 +40,8 @@ pub struct Run {
     pub peak_memory: Vec<(String, u64)>,
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .into()
-}
-
 fn call(node: &str, method: &str, path: &str, body: Option<Value>) -> Result<Value> {
-    let url = format!("http://{node}{path}");
-    let a = agent();
-    let resp = match (method, body) {
-        ("POST", Some(b)) => crate::commands::keyed(a.post(&url)).send_json(b),
-        ("DELETE", _) => crate::commands::keyed(a.delete(&url)).call(),
-        _ => crate::commands::keyed(a.get(&url)).call(),
-    }
-    .with_context(|| format!("cannot reach the node at {node}"))?;
-    let status = resp.status().as_u16();
-    let text = resp.into_body().read_to_string().unwrap_or_default();
-    if status != 200 {
-        bail!("{method} {path}: the node answered {status}: {text}");
-    }
-    serde_json::from_str(&text).with_context(|| format!("{method} {path}: not JSON"))
+    crate::node_api::call(node, method, path, body, Duration::from_secs(30))
 }
 
 fn instances(node: &str) -> Result<Vec<Value>> {
@@ -155,8 +134,12 @@ pub fn run(o: &Options) -> Result<Vec<Run>> {
         );
     }
     let mut runs = Vec::new();
-    for strategy in &o.strategies {
+    for (i, strategy) in o.strategies.iter().enumerate() {
         for &ranks in &o.ranks {
+            // One rank is the whole model whatever the strategy: measured once.
+            if ranks == 1 && i > 0 {
+                continue;
+            }
             eprintln!("placing {} as {strategy} over {ranks} rank(s)…", o.model);
             let placed = place(o, strategy, ranks);
             for &pp in &o.pp {
@@ -191,12 +174,26 @@ pub fn run(o: &Options) -> Result<Vec<Run>> {
     Ok(runs)
 }
 
+/// The first failed run or request, said with its instance and lengths.
+pub fn first_failure(runs: &[Run]) -> Option<String> {
+    runs.iter().find_map(|r| {
+        let why = r
+            .failed
+            .clone()
+            .or_else(|| crate::bench_node::first_failure(&r.rows))?;
+        Some(format!(
+            "{} ×{} pp {} tg {}: {why}",
+            r.strategy, r.ranks, r.pp, r.tg
+        ))
+    })
+}
+
 pub fn print(model: &str, runs: &[Run]) {
     println!("{model}:");
     println!(
-        "| strategy | ranks | pp | tg | clients | total tok/s | per request tok/s | TTFT p50 ms | ITL p50 ms | peak memory in use |"
+        "| strategy | ranks | pp | tg | clients | ok | failed | total tok/s | per request tok/s | prompt tok/s | TTFT p50 ms | ITL p50 ms | peak memory in use |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in runs {
         let memory = r
             .peak_memory
@@ -206,20 +203,23 @@ pub fn print(model: &str, runs: &[Run]) {
             .join(", ");
         if let Some(why) = &r.failed {
             println!(
-                "| {} | {} | {} | {} | – | failed: {why} | | | | {memory} |",
+                "| {} | {} | {} | {} | – | – | – | failed: {why} | | | | | {memory} |",
                 r.strategy, r.ranks, r.pp, r.tg
             );
         }
         for row in &r.rows {
             println!(
-                "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.1} | {memory} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.0} | {:.1} | {memory} |",
                 r.strategy,
                 r.ranks,
                 r.pp,
                 r.tg,
                 row.clients,
+                row.requests,
+                row.failed,
                 row.total_tok_s,
                 row.per_request_tok_s,
+                row.prompt_tok_s,
                 row.ttft_p50_ms,
                 row.itl_p50_ms
             );

@@ -5,12 +5,17 @@
 //! within the stall timeout (none vanished, none stalled), no sequence may stay held, and
 //! an instance must be ready within 10 s of each node coming back.
 //!
+//! Each node offers models only `--memory 640M`, and the instance's context (8192) makes
+//! the model too big for one of them: so while host 2 is away nothing can serve, and
+//! "ready again" means placed over both again, once host 2 is back (the test checks
+//! that one host alone is refused, so the recovery figure cannot become trivial).
+//!
 //! `SHOAL_CHAOS_SECONDS` (default 120: CI's form, `chaos/short.toml`); past 120 the
 //! ten-minute plan `chaos/ten-minutes.toml` runs, cut at that many seconds.
 
 use serde_json::Value;
 use shoal_testbed::chaos::{Plan, execute};
-use shoal_testbed::{Cluster, eventually, serving_split};
+use shoal_testbed::{Cluster, eventually, meeting, place_ready};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -21,6 +26,10 @@ const NODE_STALL: &str = "10";
 /// A request with no end this long counts as stalled (the node's stall timeout, and
 /// time for the instance to be placed again).
 const CLIENT_STALL: &str = "45";
+/// What each node offers to models: under the model at `CONTEXT` on one host (about
+/// 560 MB), over each rank's share of a 2-host pipeline (at most about 380 MB).
+const MEMORY: &str = "640M";
+const CONTEXT: usize = 8192;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_shoal"))
@@ -56,8 +65,23 @@ fn under_a_fault_every_few_seconds_every_request_ends_and_the_instance_comes_bac
     let plan = Plan::parse(&std::fs::read_to_string(&path).expect("the plan"))
         .expect("the plan parses")
         .until(seconds - 10.0);
-    let args = ["--stall-timeout", NODE_STALL];
-    let mut c = serving_split(bed, bin(), MODEL, 2048, &args, &[], "pipeline");
+    let args = ["--stall-timeout", NODE_STALL, "--memory", MEMORY];
+    let mut c = meeting(bed, bin(), MODEL, &args, &[]);
+    let alone = c.nodes[0].cli(&[
+        "place",
+        MODEL,
+        "--preview",
+        "--nodes",
+        "1",
+        "--ctx",
+        &CONTEXT.to_string(),
+    ]);
+    assert!(
+        !alone.status.success(),
+        "one host alone can hold the model, so recovery would not need host 2: {}",
+        String::from_utf8_lossy(&alone.stdout)
+    );
+    place_ready(&c, MODEL, CONTEXT, "pipeline");
 
     let duration = format!("{}", seconds as u64);
     let load = c.nodes[0]
@@ -97,6 +121,17 @@ fn under_a_fault_every_few_seconds_every_request_ends_and_the_instance_comes_bac
         report["stuck"],
         report["instance_failures"]
     );
+    println!(
+        "tok/s {} TTFT p50 {} ms p99 {} ms; between tokens p50 {} ms p99 {} ms",
+        report["tok_s"],
+        report["ttft_p50_ms"],
+        report["ttft_p99_ms"],
+        report["itl_p50_ms"],
+        report["itl_p99_ms"]
+    );
+    for e in report["events"].as_array().into_iter().flatten() {
+        println!("  {}", e.as_str().unwrap_or_default());
+    }
     for f in report["failures"].as_array().into_iter().flatten() {
         println!("  {}", f.as_str().unwrap_or_default());
     }

@@ -4,7 +4,7 @@
 //! hosts. Each run must end with no failed or vanished request, no instance failure and
 //! nothing held once the clients stop (`shoal load` exits non-zero otherwise).
 //!
-//! `SHOAL_LOAD_SECONDS` sets each run's length (default 30, CI's short form; the
+//! `SHOAL_LOAD_SECONDS` sets each run's length (default 60, CI's one-minute form; the
 //! figures in docs/SERVING.md come from 600).
 
 use shoal_testbed::{Cluster, Testbed, eventually, install_from_store, succeed};
@@ -19,7 +19,7 @@ fn bin() -> &'static Path {
 }
 
 fn seconds() -> String {
-    std::env::var("SHOAL_LOAD_SECONDS").unwrap_or_else(|_| "30".into())
+    std::env::var("SHOAL_LOAD_SECONDS").unwrap_or_else(|_| "60".into())
 }
 
 fn ready(c: &Cluster, count: usize) {

@@ -309,11 +309,13 @@ pub fn place(state: &ClusterState, req: &PlaceRequest) -> Result<Vec<Plan>, Refu
     let mut plans = Vec::new();
     let mut reasons = Vec::new();
     for &n in &counts {
-        for &strategy in &strategies {
-            // One rank holds the whole model: any strategy is the same there.
-            if n == 1 && strategy != Strategy::Pipeline {
+        for &asked in &strategies {
+            // One rank holds the whole model: any strategy is the same there, so a
+            // request for one gets the one-rank plan (called a pipeline of one stage).
+            if n == 1 && asked != Strategy::Pipeline && req.strategy.is_none() {
                 continue;
             }
+            let strategy = if n == 1 { Strategy::Pipeline } else { asked };
             let need = match rank_memory(&req.model, strategy, n, req.context, req.chunk) {
                 Ok(m) => m,
                 Err(why) => {
@@ -447,6 +449,17 @@ mod tests {
         assert!(seq.memory.iter().all(|&m| m >= whole * 9 / 10));
         // The same request gives the same plans (pure, ordered).
         assert_eq!(plans, place(&s, &req(None, None)).expect("again"));
+    }
+
+    #[test]
+    fn one_rank_of_any_strategy_is_the_whole_model() {
+        let s = cluster(&[("a", 4096), ("b", 4096)]);
+        for strategy in Strategy::ALL {
+            let plans = place(&s, &req(Some(strategy), Some(1))).expect("one rank fits");
+            assert_eq!(plans.len(), 1, "{strategy}");
+            assert_eq!(plans[0].strategy, Strategy::Pipeline, "{strategy}");
+            assert_eq!(plans[0].nodes.len(), 1, "{strategy}");
+        }
     }
 
     #[test]

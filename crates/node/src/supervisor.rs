@@ -128,6 +128,8 @@ pub struct RunnerHandle {
     pub jobs: mpsc::Sender<Job>,
     /// Rank 0's sequences, as the runner last said.
     pub load: Arc<Load>,
+    /// The runner process (for its memory in use).
+    pub pid: Option<u32>,
     task: Option<tokio::task::JoinHandle<()>>,
     stop: Option<oneshot::Sender<String>>,
 }
@@ -219,6 +221,7 @@ pub fn start(
         }
     }
     let child = cmd.spawn()?;
+    let pid = child.id();
     // The runner has its own copy of the socket now.
     drop(rank_listener);
     let (jobs, job_rx) = mpsc::channel(64);
@@ -236,6 +239,7 @@ pub fn start(
     Ok(RunnerHandle {
         jobs,
         load,
+        pid,
         task: Some(task),
         stop: Some(stop),
     })
@@ -342,7 +346,7 @@ async fn supervise(
                 Some(job) => {
                     next_id += 1;
                     let id = next_id;
-                    let msg = ToRunner::Generate { id, request: job.request.clone() };
+                    let msg = ToRunner::Generate { id, request: Box::new(job.request.clone()) };
                     if let Err(e) = send(&mut write, &msg).await {
                         let _ = job.reply.send(Piece::broken(format!("runner unreachable: {e}")));
                     } else {

@@ -15,12 +15,11 @@ pub use shoal_tokenizer::{ChatMessage, ToolCall};
 pub enum ToRunner {
     Generate {
         id: u64,
-        request: GenerateRequest,
+        /// Boxed: a request is far bigger than the other messages.
+        request: Box<GenerateRequest>,
     },
     /// The client went away or asked to stop: free the sequence, whatever its state.
-    Cancel {
-        id: u64,
-    },
+    Cancel { id: u64 },
 }
 
 /// Runner → node.
@@ -79,6 +78,10 @@ pub struct GenerateRequest {
     /// The prompt as raw text, without the chat template.
     #[serde(default)]
     pub raw: bool,
+    /// The prompt as token ids, taken as they are (no template, no BOS added); wins over
+    /// `prompt` and `messages`. Benchmarks use it for prompts of an exact length.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt_ids: Vec<u32>,
     #[serde(default)]
     pub system: Option<String>,
     #[serde(default = "default_max_tokens")]
@@ -135,6 +138,7 @@ impl GenerateRequest {
             prompt: prompt.into(),
             messages: Vec::new(),
             raw: false,
+            prompt_ids: Vec::new(),
             system: None,
             max_tokens: default_max_tokens(),
             must_fit: false,
@@ -245,7 +249,7 @@ mod tests {
         }
         let g = ToRunner::Generate {
             id: 1,
-            request: GenerateRequest::new("hi"),
+            request: Box::new(GenerateRequest::new("hi")),
         };
         let line = serde_json::to_string(&g).expect("json");
         assert_eq!(serde_json::from_str::<ToRunner>(&line).expect("back"), g);

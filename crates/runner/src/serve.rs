@@ -340,8 +340,9 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     }
 
     fn on_generate(&mut self, id: u64, request: &GenerateRequest) {
-        if request.prompt.is_empty() && request.messages.is_empty() {
-            let why = "the request has neither a prompt nor messages".to_string();
+        if request.prompt.is_empty() && request.messages.is_empty() && request.prompt_ids.is_empty()
+        {
+            let why = "the request has neither a prompt, prompt_ids nor messages".to_string();
             return self.fail(id, ErrorKind::Invalid, why);
         }
         let tools = if request.tools.is_empty() {
@@ -433,7 +434,15 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     }
 
     fn tokenize(&self, r: &GenerateRequest) -> Result<Vec<u32>, EngineError> {
-        let ids = if !r.messages.is_empty() {
+        let ids = if !r.prompt_ids.is_empty() {
+            let vocab = self.engine.tokenizer().vocab_size();
+            if let Some(bad) = r.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(EngineError::Invalid(format!(
+                    "prompt_ids holds {bad}, past the vocabulary ({vocab} tokens)"
+                )));
+            }
+            r.prompt_ids.clone()
+        } else if !r.messages.is_empty() {
             self.engine.chat_prompt_with_tools(&r.messages, &r.tools)?
         } else if r.raw {
             self.engine.raw_prompt(&r.prompt)?

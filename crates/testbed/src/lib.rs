@@ -35,7 +35,8 @@ use std::time::Duration;
 pub use process::{Proc, children};
 pub use relay::Shape;
 pub use shoal::{
-    Cluster, Node, eventually, install_from_store, serving_one, serving_split, succeed,
+    Cluster, Node, eventually, install_from_store, meeting, place_ready, serving_one,
+    serving_split, succeed,
 };
 
 /// What went wrong making or driving the testbed.

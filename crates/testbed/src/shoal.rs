@@ -230,6 +230,11 @@ impl Drop for Cluster {
                     n.log_tail(60)
                 );
             }
+        } else if std::env::var_os("SHOAL_KEEP_TESTBED").is_some() {
+            eprintln!(
+                "the nodes' files and logs are kept in {}",
+                self.root.display()
+            );
         } else {
             let _ = std::fs::remove_dir_all(&self.root);
         }
@@ -261,6 +266,20 @@ pub fn serving_split(
     env: &[(&str, &str)],
     strategy: &str,
 ) -> Cluster {
+    let c = meeting(bed, bin, model, args, env);
+    place_ready(&c, model, ctx, strategy);
+    c
+}
+
+/// A node on every host of `bed`, each with `model` installed and started with `args`
+/// and `env`, all of them in one cluster with a master; nothing placed.
+pub fn meeting(
+    bed: crate::Testbed,
+    bin: &Path,
+    model: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Cluster {
     let mut c = Cluster::new(bed, bin);
     for node in &mut c.nodes {
         install_from_store(bin, model, &node.dir);
@@ -277,7 +296,13 @@ pub fn serving_split(
             s["master_id"].is_string() && s["nodes"].as_array().is_some_and(|n| n.len() == hosts)
         })
     });
-    let (ctx, ranks) = (ctx.to_string(), hosts.to_string());
+    c
+}
+
+/// Places `model` over every node of `c` by `strategy` and waits until it is ready.
+pub fn place_ready(c: &Cluster, model: &str, ctx: usize, strategy: &str) {
+    let node = &c.nodes[0];
+    let (ctx, ranks) = (ctx.to_string(), c.nodes.len().to_string());
     succeed(
         node.cli(&[
             "place",
@@ -300,7 +325,6 @@ pub fn serving_split(
                 .any(|i| i["status"]["state"] == "ready")
         })
     });
-    c
 }
 
 /// Waits until `check` holds, at most `within`; returns how long it took.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use serde_json::Value;
 
 /// After the clients stop, how long the node has to let go of every sequence.
@@ -21,20 +21,7 @@ pub struct Watched {
 }
 
 fn status(node: &str) -> Result<Value> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(5)))
-        .build()
-        .into();
-    let resp = crate::commands::keyed(agent.get(&format!("http://{node}/v1/status")))
-        .call()
-        .with_context(|| format!("cannot reach the node at {node}"))?;
-    let code = resp.status().as_u16();
-    let text = resp.into_body().read_to_string().unwrap_or_default();
-    if code != 200 {
-        bail!("the node answered {code} to GET /v1/status: {text}");
-    }
-    serde_json::from_str(&text).context("the node's status")
+    crate::node_api::get(node, "/v1/status")
 }
 
 /// Per instance id: its state and attempt.

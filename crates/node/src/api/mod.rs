@@ -539,7 +539,8 @@ enum Next {
     Line(Bytes),
     /// The error line, then the body is broken off.
     Fail(Bytes),
-    End,
+    /// The last line: how the answer ended, its usage and timings.
+    End(Bytes),
 }
 
 fn line(v: Value) -> Bytes {
@@ -552,7 +553,12 @@ fn next(piece: Option<Piece>) -> Next {
         Some(Piece::ToolCall(c)) => Next::Line(line(json!({ "tool_call": c }))),
         Some(Piece::Progress(p)) => Next::Line(line(json!({ "progress": p }))),
         Some(Piece::Keepalive) => Next::Line(Bytes::from_static(b"\n")),
-        Some(Piece::Done(_)) => Next::End,
+        Some(Piece::Done(f)) => Next::End(line(json!({
+            "done": true,
+            "finish_reason": f.finish_reason,
+            "usage": f.usage,
+            "timings": f.timings,
+        }))),
         Some(Piece::Error(f)) => Next::Fail(line(json!({ "error": f.message }))),
         None => Next::Fail(line(json!({
             "error": "rank 0's runner stopped before the answer ended"
@@ -592,7 +598,7 @@ fn answer_lines(
         match next(piece) {
             Next::Line(b) => Some((Ok(b), (At::Streaming, rx))),
             Next::Fail(b) => Some((Ok(b), (At::Failed, rx))),
-            Next::End => Some((Ok(line(json!({ "done": true }))), (At::Over, rx))),
+            Next::End(b) => Some((Ok(b), (At::Over, rx))),
         }
     })
 }

@@ -24,6 +24,12 @@ impl Daemon {
             // This node's model files on their way in, and the last failure of each.
             "fetches": self.fetch_progress,
             "fetch_failures": self.fetch_failures,
+            // On the master: models whose instance failed, to be placed again.
+            "placing_again": self.retry.iter().map(|(model, r)| serde_json::json!({
+                "model": model,
+                "attempt": r.attempt,
+                "waiting_for_room": r.waiting_for_room,
+            })).collect::<Vec<_>>(),
             "instances": self.state.instances.values().map(|i| {
                 // The token stays inside the cluster's state, out of status output.
                 let mut v = serde_json::to_value(i).unwrap_or_default();
@@ -81,9 +87,10 @@ impl Daemon {
                         .and_then(|p| serde_json::to_value(p).map_err(|e| e.to_string()));
                     let _ = reply.send(r);
                 } else if self.leading {
-                    let r = match self.placed(&model).filter(|_| if_absent) {
-                        Some(i) => Ok(i),
-                        None => self.place_now(&model, strategy, nodes, context, 0),
+                    let r = if if_absent {
+                        self.place_if_absent(&model, strategy, nodes, context)
+                    } else {
+                        self.place_now(&model, strategy, nodes, context, 0)
                     };
                     let r = r.and_then(|i| serde_json::to_value(i).map_err(|e| e.to_string()));
                     let _ = reply.send(r);
@@ -143,6 +150,36 @@ impl Daemon {
     }
 
     /// An instance of `model` in the state, whatever its status.
+    /// The master's answer to a request for a model nothing may serve yet: its instance
+    /// if it has one; none while its failed instance waits to be placed again (in its
+    /// own shape: another, say with a smaller context, is the user's to ask for); else
+    /// a new one.
+    pub(super) fn place_if_absent(
+        &mut self,
+        model: &str,
+        strategy: Option<shoal_cluster::Strategy>,
+        nodes: Option<usize>,
+        context: Option<usize>,
+    ) -> Result<Instance, String> {
+        if let Some(i) = self.placed(model) {
+            return Ok(i);
+        }
+        if let Some(r) = self.retry.get(model) {
+            return Err(if r.waiting_for_room {
+                format!(
+                    "its instance failed, and no nodes have room to place it again yet (attempt {})",
+                    r.attempt
+                )
+            } else {
+                format!(
+                    "its instance failed and is being placed again (attempt {})",
+                    r.attempt
+                )
+            });
+        }
+        self.place_now(model, strategy, nodes, context, 0)
+    }
+
     pub(super) fn placed(&self, model: &str) -> Option<Instance> {
         self.state
             .instances

@@ -81,6 +81,9 @@ pub struct NodeConfig {
     pub insecure: bool,
     /// A request for a known model that no instance serves places one.
     pub auto_place: bool,
+    /// The most memory this node offers to models (its runners' memory counts against
+    /// it); `None`: what the machine has free.
+    pub memory_limit: Option<u64>,
 }
 
 const TICK: Duration = Duration::from_millis(250);
@@ -216,10 +219,10 @@ struct Daemon {
     pending: HashMap<OutboundRequestId, Pending>,
     catching_up: bool,
     last_report: Option<(NodeInfo, Instant)>,
-    /// When the master may next place a failed model again, and how often it has.
-    retry: HashMap<String, (Instant, u32)>,
-    /// The failed instance's shape, tried first when placing it again.
-    retry_strategy: HashMap<String, (shoal_cluster::Strategy, usize, usize)>,
+    /// Failed models the master will place again, by model.
+    retry: HashMap<String, placement::Retry>,
+    /// Instances the master has seen ready (their failures start the count again).
+    served: std::collections::HashSet<String>,
     log: Option<std::fs::File>,
     /// Measured links to peers, and when each was last probed.
     links: HashMap<NodeId, LinkStats>,
@@ -337,7 +340,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         awaiting: None,
         last_report: None,
         retry: HashMap::new(),
-        retry_strategy: HashMap::new(),
+        served: Default::default(),
         log,
         links: HashMap::new(),
         last_probe: HashMap::new(),

@@ -7,6 +7,19 @@ use shoal_store::ModelCard;
 
 use super::*;
 
+/// A failed model the master places again: when, which attempt, in what shape first.
+pub(super) struct Retry {
+    pub at: Instant,
+    pub attempt: u32,
+    /// The failed instance's strategy, rank count and context.
+    pub shape: (shoal_cluster::Strategy, usize, usize),
+    /// The last try found no room; the next tries are quiet.
+    pub waiting_for_room: bool,
+}
+
+/// While no node has room for a failed model, how often the master looks again.
+const ROOM_WAIT: Duration = Duration::from_secs(1);
+
 impl Daemon {
     /// The master's periodic work: drop dead nodes, place failed instances again.
     pub(super) fn master_duties(&mut self) {
@@ -21,12 +34,19 @@ impl Daemon {
             tracing::warn!(node = %id, "node lost");
             self.emit(Event::NodeDown { id });
         }
+        for i in self.state.instances.values() {
+            if i.status == InstanceStatus::Ready {
+                self.served.insert(i.id.clone());
+            }
+        }
+        let instances = &self.state.instances;
+        self.served.retain(|id| instances.contains_key(id));
         let failed: Vec<Instance> = self
             .state
             .instances
             .values()
             .filter(|i| matches!(i.status, InstanceStatus::Failed(_)))
-            .filter(|i| i.attempt < MAX_ATTEMPTS)
+            .filter(|i| i.attempt < MAX_ATTEMPTS || self.served.contains(&i.id))
             .cloned()
             .collect();
         for inst in failed {
@@ -34,7 +54,13 @@ impl Daemon {
                 InstanceStatus::Failed(r) => r.clone(),
                 _ => String::new(),
             };
-            let attempt = inst.attempt + 1;
+            // Attempts count failures in a row: one that had served starts again at 1,
+            // so a long-lived instance is not given up for faults hours apart.
+            let attempt = if self.served.remove(&inst.id) {
+                1
+            } else {
+                inst.attempt + 1
+            };
             if attempt >= MAX_ATTEMPTS {
                 // Kept, failed, so that the reason shows; the worker stops its runners.
                 tracing::error!(model = %inst.model, reason, "instance failed too often; not placing it again");
@@ -55,34 +81,52 @@ impl Daemon {
             });
             // Back off: 1 s, 2 s, 4 s.
             let wait = Duration::from_secs(1 << (attempt - 1));
-            self.retry
-                .insert(inst.model.clone(), (Instant::now() + wait, attempt));
-            self.retry_strategy.insert(
+            self.retry.insert(
                 inst.model.clone(),
-                (inst.strategy, inst.ranks.len(), inst.context),
+                Retry {
+                    at: Instant::now() + wait,
+                    attempt,
+                    shape: (inst.strategy, inst.ranks.len(), inst.context),
+                    waiting_for_room: false,
+                },
             );
             tracing::warn!(model = %inst.model, reason, attempt, "instance failed; placing it again");
         }
         let due: Vec<String> = self
             .retry
             .iter()
-            .filter(|(_, (at, _))| Instant::now() >= *at)
+            .filter(|(_, r)| Instant::now() >= r.at)
             .map(|(m, _)| m.clone())
             .collect();
         for model in due {
-            let Some((_, attempt)) = self.retry.remove(&model) else {
+            let Some(retry) = self.retry.remove(&model) else {
                 continue;
             };
-            let (strategy, n, context) = self
-                .retry_strategy
-                .remove(&model)
-                .map_or((None, None, None), |(s, n, c)| (Some(s), Some(n), Some(c)));
+            let (strategy, n, context) = retry.shape;
             // The same shape if it still fits, else whatever fits.
             let result = self
-                .place_now(&model, strategy, n, context, attempt)
-                .or_else(|_| self.place_now(&model, None, None, context, attempt));
+                .place_now(
+                    &model,
+                    Some(strategy),
+                    Some(n),
+                    Some(context),
+                    retry.attempt,
+                )
+                .or_else(|_| self.place_now(&model, None, None, Some(context), retry.attempt));
             if let Err(e) = result {
-                tracing::error!(model, error = %e, "cannot place again");
+                // Kept, so that the model comes back as soon as the node it needs does
+                // (or another with room joins), without waiting for a request.
+                if !retry.waiting_for_room {
+                    tracing::warn!(model, error = %e, "no room to place it again; waiting for room");
+                }
+                self.retry.insert(
+                    model,
+                    Retry {
+                        at: Instant::now() + ROOM_WAIT,
+                        waiting_for_room: true,
+                        ..retry
+                    },
+                );
             }
         }
     }
@@ -95,7 +139,6 @@ impl Daemon {
         };
         let model = inst.model.clone();
         self.retry.remove(&model);
-        self.retry_strategy.remove(&model);
         tracing::info!(instance, model, "deleting");
         self.emit(Event::InstanceRemoved {
             instance: instance.to_string(),
@@ -189,6 +232,8 @@ impl Daemon {
                 reason: "placed again".into(),
             });
         }
+        // Placed: a retry of the model waiting for its turn (or for room) is done.
+        self.retry.remove(model);
         tracing::info!(instance = %instance.id, %strategy, nodes = instance.ranks.len(), "placing");
         self.emit(Event::InstancePlaced {
             instance: instance.clone(),

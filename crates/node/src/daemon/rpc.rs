@@ -221,40 +221,29 @@ impl Daemon {
         request: Request,
         channel: ResponseChannel<Response>,
     ) {
+        let if_absent = matches!(request, Request::PlaceIfAbsent(_));
         let response = match request {
             Request::CatchUp => Response::Snapshot {
                 term: self.highest_term,
                 state: self.state.clone(),
             },
-            Request::PlaceIfAbsent(req)
-                if self.leading && self.placed(&req.model.name).is_some() =>
-            {
-                Response::Placed(self.placed(&req.model.name).expect("checked"))
+            Request::Place(_) | Request::PlaceIfAbsent(_) | Request::Delete(_) if !self.leading => {
+                Response::Refused("this node is not the master".into())
             }
-            Request::Delete(id) => {
-                if !self.leading {
-                    Response::Refused("this node is not the master".into())
-                } else {
-                    match self.delete_now(&id) {
-                        Ok(()) => Response::Deleted(id),
-                        Err(e) => Response::Refused(e),
-                    }
-                }
-            }
+            Request::Delete(id) => match self.delete_now(&id) {
+                Ok(()) => Response::Deleted(id),
+                Err(e) => Response::Refused(e),
+            },
             Request::Place(req) | Request::PlaceIfAbsent(req) => {
-                if !self.leading {
-                    Response::Refused("this node is not the master".into())
+                let (model, context) = (&req.model.name, Some(req.context));
+                let placed = if if_absent {
+                    self.place_if_absent(model, req.strategy, req.nodes, context)
                 } else {
-                    match self.place_now(
-                        &req.model.name,
-                        req.strategy,
-                        req.nodes,
-                        Some(req.context),
-                        0,
-                    ) {
-                        Ok(i) => Response::Placed(i),
-                        Err(e) => Response::Refused(e),
-                    }
+                    self.place_now(model, req.strategy, req.nodes, context, 0)
+                };
+                match placed {
+                    Ok(i) => Response::Placed(i),
+                    Err(e) => Response::Refused(e),
                 }
             }
             Request::Probe { .. } => Response::Probe,

@@ -15,9 +15,43 @@ fn meminfo() -> (u64, u64) {
     (field("MemTotal:"), field("MemAvailable:"))
 }
 
+/// A process's resident memory, bytes (0 once it is gone).
+fn resident(pid: u32) -> u64 {
+    let statm = std::fs::read_to_string(format!("/proc/{pid}/statm")).unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+    pages * page
+}
+
+/// The machine's memory as offered to models: under `--memory`, the limit less what this
+/// node's runners hold, never more than the machine has free.
+fn offered((total, free): (u64, u64), limit: Option<u64>, runners_hold: u64) -> (u64, u64) {
+    match limit {
+        Some(limit) => (
+            total.min(limit),
+            free.min(limit.saturating_sub(runners_hold)),
+        ),
+        None => (total, free),
+    }
+}
+
 impl Daemon {
     pub(super) fn info(&self) -> NodeInfo {
-        let (total, free) = meminfo();
+        let held = match self.config.memory_limit {
+            Some(_) => self
+                .runners
+                .values()
+                .filter_map(|r| r.pid)
+                .map(resident)
+                .sum(),
+            None => 0,
+        };
+        let (total, free) = offered(meminfo(), self.config.memory_limit, held);
         let models = self.local.models.iter().cloned().collect();
         NodeInfo {
             id: self.me.clone(),
@@ -266,5 +300,36 @@ impl Daemon {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::offered;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_memory_limit_offers_the_limit_less_what_the_runners_hold() {
+        // No limit: the machine as it is.
+        assert_eq!(
+            offered((16 * GIB, 9 * GIB), None, 3 * GIB),
+            (16 * GIB, 9 * GIB)
+        );
+        // A limit under what is free: the limit, less the runners' share.
+        assert_eq!(
+            offered((16 * GIB, 9 * GIB), Some(4 * GIB), GIB),
+            (4 * GIB, 3 * GIB)
+        );
+        // Runners past the limit: nothing more to offer.
+        assert_eq!(
+            offered((16 * GIB, 9 * GIB), Some(2 * GIB), 3 * GIB),
+            (2 * GIB, 0)
+        );
+        // A limit over what is free: never more than the machine has.
+        assert_eq!(
+            offered((16 * GIB, 2 * GIB), Some(8 * GIB), 0),
+            (8 * GIB, 2 * GIB)
+        );
     }
 }
