@@ -12,6 +12,7 @@
 //!
 //! `SHOAL_CHAOS_SECONDS` (default 120: CI's form, `chaos/short.toml`); past 120 the
 //! ten-minute plan `chaos/ten-minutes.toml` runs, cut at that many seconds.
+//! `SHOAL_CHAOS_PLAN=FILE` runs another plan (a failing run's, to replay it).
 
 use serde_json::Value;
 use shoal_testbed::chaos::{Plan, execute};
@@ -54,14 +55,17 @@ fn under_a_fault_every_few_seconds_every_request_ends_and_the_instance_comes_bac
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(120.0);
-    let file = if seconds <= 120.0 {
-        "short.toml"
-    } else {
-        "ten-minutes.toml"
+    let path = match std::env::var_os("SHOAL_CHAOS_PLAN") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/chaos")
+            .join(if seconds <= 120.0 {
+                "short.toml"
+            } else {
+                "ten-minutes.toml"
+            }),
     };
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/chaos")
-        .join(file);
+    let file = path.display();
     let plan = Plan::parse(&std::fs::read_to_string(&path).expect("the plan"))
         .expect("the plan parses")
         .until(seconds - 10.0);

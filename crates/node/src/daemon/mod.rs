@@ -398,8 +398,23 @@ impl Daemon {
             standing: self.standing(),
         };
         self.publish(HEARTBEAT_TOPIC, &hb);
+        let silent: Vec<NodeId> = self
+            .alive
+            .iter()
+            .filter(|(_, seen)| seen.last.elapsed() >= NODE_TIMEOUT)
+            .map(|(id, _)| id.clone())
+            .collect();
         self.alive
             .retain(|_, seen| seen.last.elapsed() < NODE_TIMEOUT);
+        for id in silent {
+            // Its connections are closed, so that it is dialled afresh when it can be
+            // reached again: after a cut cable the old connection still looks open, and
+            // gossip sent down it is lost until it times out, long after the cable heals.
+            if let Ok(peer) = id.parse::<PeerId>() {
+                tracing::info!(peer = %id, "silent; closing its connections");
+                let _ = self.swarm.disconnect_peer_id(peer);
+            }
+        }
         self.dial_statics();
         if self.started.elapsed() >= GRACE {
             self.elect();

@@ -116,7 +116,9 @@ impl Daemon {
             if let Err(e) = result {
                 // Kept, so that the model comes back as soon as the node it needs does
                 // (or another with room joins), without waiting for a request.
-                if !retry.waiting_for_room {
+                if retry.waiting_for_room {
+                    tracing::debug!(model, error = %e, "still no room to place it again");
+                } else {
                     tracing::warn!(model, error = %e, "no room to place it again; waiting for room");
                 }
                 self.retry.insert(
