@@ -24,9 +24,9 @@ impl Daemon {
             // This node's model files on their way in, and the last failure of each.
             "fetches": self.fetch_progress,
             "fetch_failures": self.fetch_failures,
-            // On the master: models whose instance failed, to be placed again.
-            "placing_again": self.retry.iter().map(|(model, r)| serde_json::json!({
-                "model": model,
+            // On the master: failed instances it will place again.
+            "placing_again": self.retry.iter().map(|(instance, r)| serde_json::json!({
+                "instance": instance,
                 "attempt": r.attempt,
                 "waiting_for_room": r.waiting_for_room,
             })).collect::<Vec<_>>(),
@@ -151,9 +151,9 @@ impl Daemon {
 
     /// An instance of `model` in the state, whatever its status.
     /// The master's answer to a request for a model nothing may serve yet: its instance
-    /// if it has one; none while its failed instance waits to be placed again (in its
-    /// own shape: another, say with a smaller context, is the user's to ask for); else
-    /// a new one.
+    /// if it has one (a failed one is being placed again, in its own shape: the request
+    /// waits for that rather than placing another), unless it was given up; else a new
+    /// one.
     pub(super) fn place_if_absent(
         &mut self,
         model: &str,
@@ -161,23 +161,15 @@ impl Daemon {
         nodes: Option<usize>,
         context: Option<usize>,
     ) -> Result<Instance, String> {
-        if let Some(i) = self.placed(model) {
-            return Ok(i);
+        match self.placed(model) {
+            Some(i)
+                if !(i.attempt >= MAX_ATTEMPTS
+                    && matches!(i.status, InstanceStatus::Failed(_))) =>
+            {
+                Ok(i)
+            }
+            _ => self.place_now(model, strategy, nodes, context, 0),
         }
-        if let Some(r) = self.retry.get(model) {
-            return Err(if r.waiting_for_room {
-                format!(
-                    "its instance failed, and no nodes have room to place it again yet (attempt {})",
-                    r.attempt
-                )
-            } else {
-                format!(
-                    "its instance failed and is being placed again (attempt {})",
-                    r.attempt
-                )
-            });
-        }
-        self.place_now(model, strategy, nodes, context, 0)
     }
 
     pub(super) fn placed(&self, model: &str) -> Option<Instance> {

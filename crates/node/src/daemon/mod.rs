@@ -219,7 +219,7 @@ struct Daemon {
     pending: HashMap<OutboundRequestId, Pending>,
     catching_up: bool,
     last_report: Option<(NodeInfo, Instant)>,
-    /// Failed models the master will place again, by model.
+    /// Failed instances the master will place again, by instance id.
     retry: HashMap<String, placement::Retry>,
     /// Instances the master has seen ready (their failures start the count again).
     served: std::collections::HashSet<String>,

@@ -1,23 +1,23 @@
 //! The master's placement: instances created from the first plan that fits, failed
-//! instances removed and placed again with a back-off. An instance that failed on its
-//! last attempt stays in the state, failed with its reason, for `shoal status` to show,
-//! until the model is placed again.
+//! instances placed again with a back-off. A failed instance stays in the state until
+//! its replacement is placed, so that whichever node leads carries on with it (a new
+//! master finds it there) and requests wait for it rather than placing another shape;
+//! one that failed on its last attempt stays, failed with its reason, for `shoal
+//! status` to show, until the model is placed again.
 
 use shoal_store::ModelCard;
 
 use super::*;
 
-/// A failed model the master places again: when, which attempt, in what shape first.
+/// When the master places a failed instance again, and which attempt that is.
 pub(super) struct Retry {
     pub at: Instant,
     pub attempt: u32,
-    /// The failed instance's strategy, rank count and context.
-    pub shape: (shoal_cluster::Strategy, usize, usize),
     /// The last try found no room; the next tries are quiet.
     pub waiting_for_room: bool,
 }
 
-/// While no node has room for a failed model, how often the master looks again.
+/// While no node has room for a failed instance, how often the master looks again.
 const ROOM_WAIT: Duration = Duration::from_secs(1);
 
 impl Daemon {
@@ -49,98 +49,95 @@ impl Daemon {
             .filter(|i| i.attempt < MAX_ATTEMPTS || self.served.contains(&i.id))
             .cloned()
             .collect();
+        self.retry
+            .retain(|id, _| failed.iter().any(|i| &i.id == id));
+        let now = Instant::now();
         for inst in failed {
             let reason = match &inst.status {
                 InstanceStatus::Failed(r) => r.clone(),
                 _ => String::new(),
             };
-            // Attempts count failures in a row: one that had served starts again at 1,
-            // so a long-lived instance is not given up for faults hours apart.
-            let attempt = if self.served.remove(&inst.id) {
-                1
-            } else {
-                inst.attempt + 1
-            };
+            let served = &mut self.served;
+            let retry = self.retry.entry(inst.id.clone()).or_insert_with(|| {
+                // Attempts count failures in a row: one that had served starts again
+                // at 1, so a long-lived instance is not given up for faults hours apart.
+                let attempt = if served.remove(&inst.id) {
+                    1
+                } else {
+                    inst.attempt + 1
+                };
+                tracing::warn!(model = %inst.model, reason, attempt, "instance failed; placing it again");
+                // Back off: 1 s, 2 s, 4 s; the last attempt is given up at once.
+                let wait = if attempt >= MAX_ATTEMPTS {
+                    Duration::ZERO
+                } else {
+                    Duration::from_secs(1 << (attempt.clamp(1, 3) - 1))
+                };
+                Retry {
+                    at: now + wait,
+                    attempt,
+                    waiting_for_room: false,
+                }
+            });
+            if now < retry.at {
+                continue;
+            }
+            let (attempt, waiting_for_room) = (retry.attempt, retry.waiting_for_room);
             if attempt >= MAX_ATTEMPTS {
                 // Kept, failed, so that the reason shows; the worker stops its runners.
                 tracing::error!(model = %inst.model, reason, "instance failed too often; not placing it again");
+                self.retry.remove(&inst.id);
                 let last = Instance {
                     attempt,
                     ..inst.clone()
                 };
                 self.emit(Event::InstanceRemoved {
                     instance: inst.id.clone(),
-                    reason: reason.clone(),
+                    reason,
                 });
                 self.emit(Event::InstancePlaced { instance: last });
                 continue;
             }
-            self.emit(Event::InstanceRemoved {
-                instance: inst.id.clone(),
-                reason: reason.clone(),
-            });
-            // Back off: 1 s, 2 s, 4 s.
-            let wait = Duration::from_secs(1 << (attempt - 1));
-            self.retry.insert(
-                inst.model.clone(),
-                Retry {
-                    at: Instant::now() + wait,
-                    attempt,
-                    shape: (inst.strategy, inst.ranks.len(), inst.context),
-                    waiting_for_room: false,
-                },
-            );
-            tracing::warn!(model = %inst.model, reason, attempt, "instance failed; placing it again");
-        }
-        let due: Vec<String> = self
-            .retry
-            .iter()
-            .filter(|(_, r)| Instant::now() >= r.at)
-            .map(|(m, _)| m.clone())
-            .collect();
-        for model in due {
-            let Some(retry) = self.retry.remove(&model) else {
-                continue;
-            };
-            let (strategy, n, context) = retry.shape;
-            // The same shape if it still fits, else whatever fits.
+            // The same shape if it still fits, else whatever fits at its context (a
+            // placement removes the failed instance).
+            let (model, context) = (inst.model.clone(), Some(inst.context));
+            let (strategy, n) = (Some(inst.strategy), Some(inst.ranks.len()));
             let result = self
-                .place_now(
-                    &model,
-                    Some(strategy),
-                    Some(n),
-                    Some(context),
-                    retry.attempt,
-                )
-                .or_else(|_| self.place_now(&model, None, None, Some(context), retry.attempt));
-            if let Err(e) = result {
-                // Kept, so that the model comes back as soon as the node it needs does
-                // (or another with room joins), without waiting for a request.
-                if retry.waiting_for_room {
-                    tracing::debug!(model, error = %e, "still no room to place it again");
-                } else {
-                    tracing::warn!(model, error = %e, "no room to place it again; waiting for room");
+                .place_now(&model, strategy, n, context, attempt)
+                .or_else(|_| self.place_now(&model, None, None, context, attempt));
+            match result {
+                Ok(_) => {
+                    self.retry.remove(&inst.id);
                 }
-                self.retry.insert(
-                    model,
-                    Retry {
-                        at: Instant::now() + ROOM_WAIT,
-                        waiting_for_room: true,
-                        ..retry
-                    },
-                );
+                Err(e) => {
+                    // Kept, so that the model comes back as soon as the node it needs
+                    // does (or another with room joins), without waiting for a request.
+                    if waiting_for_room {
+                        tracing::debug!(model, error = %e, "still no room to place it again");
+                    } else {
+                        tracing::warn!(model, error = %e, "no room to place it again; waiting for room");
+                    }
+                    self.retry.insert(
+                        inst.id.clone(),
+                        Retry {
+                            at: now + ROOM_WAIT,
+                            attempt,
+                            waiting_for_room: true,
+                        },
+                    );
+                }
             }
         }
     }
 
-    /// The master removes an instance a user deleted (and forgets any retry of its
-    /// model, so it is not placed again).
+    /// The master removes an instance a user deleted (a failed one with it: it is not
+    /// placed again).
     pub(super) fn delete_now(&mut self, instance: &str) -> Result<(), String> {
         let Some(inst) = self.state.instances.get(instance) else {
             return Err(format!("no instance {instance}"));
         };
         let model = inst.model.clone();
-        self.retry.remove(&model);
+        self.retry.remove(instance);
         tracing::info!(instance, model, "deleting");
         self.emit(Event::InstanceRemoved {
             instance: instance.to_string(),
@@ -234,8 +231,6 @@ impl Daemon {
                 reason: "placed again".into(),
             });
         }
-        // Placed: a retry of the model waiting for its turn (or for room) is done.
-        self.retry.remove(model);
         tracing::info!(instance = %instance.id, %strategy, nodes = instance.ranks.len(), "placing");
         self.emit(Event::InstancePlaced {
             instance: instance.clone(),
