@@ -20,6 +20,53 @@ pub(super) struct Retry {
 /// While no node has room for a failed instance, how often the master looks again.
 const ROOM_WAIT: Duration = Duration::from_secs(1);
 
+/// What the master does about a failed instance on this tick.
+#[derive(Debug, PartialEq, Eq)]
+enum RetryStep {
+    Wait,
+    GiveUp,
+    Place,
+}
+
+impl Retry {
+    /// The retry of an instance that has just failed on attempt `attempt`: attempts count
+    /// failures in a row, so one that had `served` starts again at 1 (a long-lived
+    /// instance is not given up for faults hours apart). Back off 1 s, 2 s, 4 s; the
+    /// last attempt is given up at once.
+    fn after_failure(attempt: u32, served: bool, now: Instant) -> Retry {
+        let attempt = if served { 1 } else { attempt + 1 };
+        let wait = if attempt >= MAX_ATTEMPTS {
+            Duration::ZERO
+        } else {
+            Duration::from_secs(1 << (attempt.clamp(1, 3) - 1))
+        };
+        Retry {
+            at: now + wait,
+            attempt,
+            waiting_for_room: false,
+        }
+    }
+
+    /// The next try after one that found no room: the same attempt, soon, quietly.
+    fn no_room(&self, now: Instant) -> Retry {
+        Retry {
+            at: now + ROOM_WAIT,
+            attempt: self.attempt,
+            waiting_for_room: true,
+        }
+    }
+
+    fn step(&self, now: Instant) -> RetryStep {
+        if now < self.at {
+            RetryStep::Wait
+        } else if self.attempt >= MAX_ATTEMPTS {
+            RetryStep::GiveUp
+        } else {
+            RetryStep::Place
+        }
+    }
+}
+
 impl Daemon {
     /// The master's periodic work: drop dead nodes, place failed instances again.
     pub(super) fn master_duties(&mut self) {
@@ -59,45 +106,31 @@ impl Daemon {
             };
             let served = &mut self.served;
             let retry = self.retry.entry(inst.id.clone()).or_insert_with(|| {
-                // Attempts count failures in a row: one that had served starts again
-                // at 1, so a long-lived instance is not given up for faults hours apart.
-                let attempt = if served.remove(&inst.id) {
-                    1
-                } else {
-                    inst.attempt + 1
-                };
+                let r = Retry::after_failure(inst.attempt, served.remove(&inst.id), now);
+                let attempt = r.attempt;
                 tracing::warn!(model = %inst.model, reason, attempt, "instance failed; placing it again");
-                // Back off: 1 s, 2 s, 4 s; the last attempt is given up at once.
-                let wait = if attempt >= MAX_ATTEMPTS {
-                    Duration::ZERO
-                } else {
-                    Duration::from_secs(1 << (attempt.clamp(1, 3) - 1))
-                };
-                Retry {
-                    at: now + wait,
-                    attempt,
-                    waiting_for_room: false,
-                }
+                r
             });
-            if now < retry.at {
-                continue;
+            match retry.step(now) {
+                RetryStep::Wait => continue,
+                RetryStep::Place => {}
+                RetryStep::GiveUp => {
+                    // Kept, failed, so that the reason shows; the worker stops its runners.
+                    tracing::error!(model = %inst.model, reason, "instance failed too often; not placing it again");
+                    let last = Instance {
+                        attempt: retry.attempt,
+                        ..inst.clone()
+                    };
+                    self.retry.remove(&inst.id);
+                    self.emit(Event::InstanceRemoved {
+                        instance: inst.id.clone(),
+                        reason,
+                    });
+                    self.emit(Event::InstancePlaced { instance: last });
+                    continue;
+                }
             }
             let (attempt, waiting_for_room) = (retry.attempt, retry.waiting_for_room);
-            if attempt >= MAX_ATTEMPTS {
-                // Kept, failed, so that the reason shows; the worker stops its runners.
-                tracing::error!(model = %inst.model, reason, "instance failed too often; not placing it again");
-                self.retry.remove(&inst.id);
-                let last = Instance {
-                    attempt,
-                    ..inst.clone()
-                };
-                self.emit(Event::InstanceRemoved {
-                    instance: inst.id.clone(),
-                    reason,
-                });
-                self.emit(Event::InstancePlaced { instance: last });
-                continue;
-            }
             // The same shape if it still fits, else whatever fits at its context (a
             // placement removes the failed instance).
             let (model, context) = (inst.model.clone(), Some(inst.context));
@@ -117,14 +150,9 @@ impl Daemon {
                     } else {
                         tracing::warn!(model, error = %e, "no room to place it again; waiting for room");
                     }
-                    self.retry.insert(
-                        inst.id.clone(),
-                        Retry {
-                            at: now + ROOM_WAIT,
-                            attempt,
-                            waiting_for_room: true,
-                        },
-                    );
+                    if let Some(r) = self.retry.get_mut(&inst.id) {
+                        *r = r.no_room(now);
+                    }
                 }
             }
         }
@@ -236,5 +264,47 @@ impl Daemon {
             instance: instance.clone(),
         });
         Ok(instance)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_instance_is_placed_again_after_1_2_4_s_then_given_up() {
+        let t = Instant::now();
+        let first = Retry::after_failure(0, false, t);
+        assert_eq!((first.attempt, first.at - t), (1, Duration::from_secs(1)));
+        assert_eq!(first.step(t), RetryStep::Wait);
+        assert_eq!(first.step(t + Duration::from_secs(1)), RetryStep::Place);
+        let second = Retry::after_failure(1, false, t);
+        assert_eq!((second.attempt, second.at - t), (2, Duration::from_secs(2)));
+        // The last attempt: given up at once, its reason kept.
+        let last = Retry::after_failure(2, false, t);
+        assert_eq!(last.attempt, MAX_ATTEMPTS);
+        assert_eq!(last.step(t), RetryStep::GiveUp);
+    }
+
+    #[test]
+    fn an_instance_that_had_served_starts_its_count_again() {
+        let t = Instant::now();
+        let r = Retry::after_failure(2, true, t);
+        assert_eq!((r.attempt, r.at - t), (1, Duration::from_secs(1)));
+        assert_eq!(r.step(t + Duration::from_secs(1)), RetryStep::Place);
+    }
+
+    #[test]
+    fn no_room_keeps_the_attempt_and_looks_again_each_second_quietly() {
+        let t = Instant::now();
+        let r = Retry::after_failure(0, false, t).no_room(t + Duration::from_secs(1));
+        assert_eq!(r.attempt, 1);
+        assert!(r.waiting_for_room);
+        assert_eq!(r.step(t + Duration::from_millis(1500)), RetryStep::Wait);
+        assert_eq!(r.step(t + Duration::from_secs(2)), RetryStep::Place);
+        // However long the node it needs stays away, it is never given up.
+        let later = (0..100).fold(r, |r, i| r.no_room(t + Duration::from_secs(2 + i)));
+        assert_eq!(later.attempt, 1);
+        assert_eq!(later.step(t + Duration::from_secs(200)), RetryStep::Place);
     }
 }
