@@ -169,7 +169,9 @@ pub struct Instance {
     /// The secret every rank presents to the others.
     pub token: String,
     pub status: InstanceStatus,
-    /// How many times the master has placed this model again after a failure.
+    /// How many times in a row the master has placed this model again after a failure:
+    /// back to 0 once the instance is ready (so faults hours apart never use up the
+    /// attempts), in the replicated state, so that a new master counts on.
     pub attempt: u32,
 }
 
@@ -288,6 +290,7 @@ pub fn apply(state: &ClusterState, e: &Indexed) -> ClusterState {
                         .all(|r| matches!(r.status, RunnerStatus::Ready | RunnerStatus::Running))
                 {
                     inst.status = InstanceStatus::Ready;
+                    inst.attempt = 0;
                 }
             }
         }
@@ -385,6 +388,25 @@ mod tests {
         let s = run(events);
         assert!(matches!(s.instances["i"].status, InstanceStatus::Failed(_)));
         assert!(!s.nodes.contains_key("b"));
+    }
+
+    #[test]
+    fn a_ready_instance_counts_its_attempts_from_zero_again() {
+        let mut again = instance("i", &["a"]);
+        again.attempt = 2;
+        let ready = |rank| Event::RankStatus {
+            instance: "i".into(),
+            rank,
+            status: RunnerStatus::Ready,
+        };
+        let events = vec![
+            Event::NodeUp { info: node("a", 8) },
+            Event::InstancePlaced { instance: again },
+        ];
+        assert_eq!(run(events.clone()).instances["i"].attempt, 2);
+        let s = run(events.into_iter().chain([ready(0)]).collect());
+        assert_eq!(s.instances["i"].status, InstanceStatus::Ready);
+        assert_eq!(s.instances["i"].attempt, 0);
     }
 
     #[test]

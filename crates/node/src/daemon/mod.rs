@@ -221,8 +221,6 @@ struct Daemon {
     last_report: Option<(NodeInfo, Instant)>,
     /// Failed instances the master will place again, by instance id.
     retry: HashMap<String, placement::Retry>,
-    /// Instances the master has seen ready (their failures start the count again).
-    served: std::collections::HashSet<String>,
     log: Option<std::fs::File>,
     /// Measured links to peers, and when each was last probed.
     links: HashMap<NodeId, LinkStats>,
@@ -340,7 +338,6 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         awaiting: None,
         last_report: None,
         retry: HashMap::new(),
-        served: Default::default(),
         log,
         links: HashMap::new(),
         last_probe: HashMap::new(),

@@ -29,12 +29,11 @@ enum RetryStep {
 }
 
 impl Retry {
-    /// The retry of an instance that has just failed on attempt `attempt`: attempts count
-    /// failures in a row, so one that had `served` starts again at 1 (a long-lived
-    /// instance is not given up for faults hours apart). Back off 1 s, 2 s, 4 s; the
-    /// last attempt is given up at once.
-    fn after_failure(attempt: u32, served: bool, now: Instant) -> Retry {
-        let attempt = if served { 1 } else { attempt + 1 };
+    /// The retry of an instance that has just failed on attempt `attempt` (failures in a
+    /// row: the state sets it back to 0 once an instance is ready). Back off 1 s, 2 s,
+    /// 4 s; the last attempt is given up at once.
+    fn after_failure(attempt: u32, now: Instant) -> Retry {
+        let attempt = attempt + 1;
         let wait = if attempt >= MAX_ATTEMPTS {
             Duration::ZERO
         } else {
@@ -81,19 +80,12 @@ impl Daemon {
             tracing::warn!(node = %id, "node lost");
             self.emit(Event::NodeDown { id });
         }
-        for i in self.state.instances.values() {
-            if i.status == InstanceStatus::Ready {
-                self.served.insert(i.id.clone());
-            }
-        }
-        let instances = &self.state.instances;
-        self.served.retain(|id| instances.contains_key(id));
         let failed: Vec<Instance> = self
             .state
             .instances
             .values()
             .filter(|i| matches!(i.status, InstanceStatus::Failed(_)))
-            .filter(|i| i.attempt < MAX_ATTEMPTS || self.served.contains(&i.id))
+            .filter(|i| i.attempt < MAX_ATTEMPTS)
             .cloned()
             .collect();
         self.retry
@@ -104,9 +96,8 @@ impl Daemon {
                 InstanceStatus::Failed(r) => r.clone(),
                 _ => String::new(),
             };
-            let served = &mut self.served;
             let retry = self.retry.entry(inst.id.clone()).or_insert_with(|| {
-                let r = Retry::after_failure(inst.attempt, served.remove(&inst.id), now);
+                let r = Retry::after_failure(inst.attempt, now);
                 let attempt = r.attempt;
                 tracing::warn!(model = %inst.model, reason, attempt, "instance failed; placing it again");
                 r
@@ -274,30 +265,22 @@ mod tests {
     #[test]
     fn a_failed_instance_is_placed_again_after_1_2_4_s_then_given_up() {
         let t = Instant::now();
-        let first = Retry::after_failure(0, false, t);
+        let first = Retry::after_failure(0, t);
         assert_eq!((first.attempt, first.at - t), (1, Duration::from_secs(1)));
         assert_eq!(first.step(t), RetryStep::Wait);
         assert_eq!(first.step(t + Duration::from_secs(1)), RetryStep::Place);
-        let second = Retry::after_failure(1, false, t);
+        let second = Retry::after_failure(1, t);
         assert_eq!((second.attempt, second.at - t), (2, Duration::from_secs(2)));
         // The last attempt: given up at once, its reason kept.
-        let last = Retry::after_failure(2, false, t);
+        let last = Retry::after_failure(2, t);
         assert_eq!(last.attempt, MAX_ATTEMPTS);
         assert_eq!(last.step(t), RetryStep::GiveUp);
     }
 
     #[test]
-    fn an_instance_that_had_served_starts_its_count_again() {
-        let t = Instant::now();
-        let r = Retry::after_failure(2, true, t);
-        assert_eq!((r.attempt, r.at - t), (1, Duration::from_secs(1)));
-        assert_eq!(r.step(t + Duration::from_secs(1)), RetryStep::Place);
-    }
-
-    #[test]
     fn no_room_keeps_the_attempt_and_looks_again_each_second_quietly() {
         let t = Instant::now();
-        let r = Retry::after_failure(0, false, t).no_room(t + Duration::from_secs(1));
+        let r = Retry::after_failure(0, t).no_room(t + Duration::from_secs(1));
         assert_eq!(r.attempt, 1);
         assert!(r.waiting_for_room);
         assert_eq!(r.step(t + Duration::from_millis(1500)), RetryStep::Wait);
