@@ -85,6 +85,12 @@ impl Rng {
 /// readers of GGUF (llama.cpp) refuse a BPE vocabulary without a list of merges.
 const MERGE: (&str, &str) = ("\u{120}", "\u{120}");
 
+/// Whether a vocabulary of `n` tokens has room for the [`MERGE`]d token (after the 256
+/// byte symbols, before the end-of-text token).
+fn has_merge(n: usize) -> bool {
+    n > 257
+}
+
 /// llama.cpp's `general.file_type` for a file whose matrices are `dtype` (its
 /// `LLAMA_FTYPE_MOSTLY_*`; K-quants as their `_M` mixes, the nearest it names).
 fn file_type(dtype: GgmlDType) -> u32 {
@@ -127,7 +133,7 @@ fn vocab(n: usize) -> Vec<String> {
         })
         .collect();
     out.truncate(n.saturating_sub(1));
-    if out.len() + 1 < n {
+    if has_merge(n) {
         out.push(format!("{}{}", MERGE.0, MERGE.1));
     }
     while out.len() + 1 < n {
@@ -357,7 +363,7 @@ fn write(
         ("general.file_type".into(), V::U32(file_type(dtype))),
     ];
     let mut meta = meta;
-    if s.vocab > 257 {
+    if has_merge(s.vocab) {
         let merge = format!("{} {}", MERGE.0, MERGE.1);
         meta.push((
             "tokenizer.ggml.merges".into(),

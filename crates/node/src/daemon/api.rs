@@ -162,12 +162,7 @@ impl Daemon {
         context: Option<usize>,
     ) -> Result<Instance, String> {
         match self.placed(model) {
-            Some(i)
-                if !(i.attempt >= MAX_ATTEMPTS
-                    && matches!(i.status, InstanceStatus::Failed(_))) =>
-            {
-                Ok(i)
-            }
+            Some(i) if !placement::given_up(&i) => Ok(i),
             _ => self.place_now(model, strategy, nodes, context, 0),
         }
     }

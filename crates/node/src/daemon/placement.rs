@@ -17,6 +17,11 @@ pub(super) struct Retry {
     pub waiting_for_room: bool,
 }
 
+/// A failed instance the master will not place again (kept for its reason to show).
+pub(super) fn given_up(i: &Instance) -> bool {
+    matches!(i.status, InstanceStatus::Failed(_)) && i.attempt >= MAX_ATTEMPTS
+}
+
 /// While no node has room for a failed instance, how often the master looks again.
 const ROOM_WAIT: Duration = Duration::from_secs(1);
 
@@ -84,8 +89,7 @@ impl Daemon {
             .state
             .instances
             .values()
-            .filter(|i| matches!(i.status, InstanceStatus::Failed(_)))
-            .filter(|i| i.attempt < MAX_ATTEMPTS)
+            .filter(|i| matches!(i.status, InstanceStatus::Failed(_)) && !given_up(i))
             .cloned()
             .collect();
         self.retry
