@@ -3,6 +3,13 @@
 # docs/GPU.md. Expects the carried, compressed binaries in gpu-bin/ (see docs/GPU.md for
 # how they are made) and writes results to $OUT.
 #   scripts/gpu-check.sh [test|bench|all]       one GPU
+#   scripts/gpu-check.sh decode [SHAPE:DTYPE...] one GPU: each row's decode under shoal's
+#       graph-captured kernels, the same kernels launched one by one, and candle's path
+#       (SHOAL_CUDA_GRAPHS=0, SHOAL_GPU_DECODE=candle): where a token's time goes;
+#       MODES="graphs split1 split2 split4" instead compares warps per mat-vec row
+#   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
+#       bytes of every kernel of a few decode tokens (launched one by one), summed per
+#       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md
 #   scripts/gpu-check.sh nccl [SHAPE DTYPE...]  several GPUs: the NCCL test, the
 #       all-reduce times, and for each SHAPE:DTYPE[:LAYERS] (default llama-8b:bf16
 #       llama-8b:q4k) the benchmark on 1, 2, 4, 8 GPUs as the machine has them.
@@ -58,6 +65,69 @@ if [ "$what" = nccl ]; then
       rm -f "$file"
     done
   done
+fi
+if [ "$what" = decode ]; then
+  shift
+  unpack shoal
+  for one in ${@:-qwen2.5-1.5b:bf16 qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
+    IFS=: read -r shape dt <<<"$one"
+    file=/tmp/$shape-$dt.gguf
+    /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    for mode in ${MODES:-graphs eager candle}; do
+      case $mode in
+        graphs) env=() ;;
+        eager) env=(SHOAL_CUDA_GRAPHS=0) ;;
+        candle) env=(SHOAL_GPU_DECODE=candle) ;;
+        split1 | split2 | split4) env=(SHOAL_GPU_SPLIT=${mode#split}) ;;
+      esac
+      line=$(env "${env[@]}" /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 \
+        --pp 512 --tg 128 -r 3 --json 2>"$out/decode-err.txt" | tail -1)
+      echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"decode\":\"$mode\",\"bench\":${line:-null}}" | tee -a "$out/decode.jsonl"
+      [ -n "$line" ] || tail -5 "$out/decode-err.txt"
+    done
+    rm -f "$file"
+  done
+fi
+if [ "$what" = profile ]; then
+  shift
+  unpack shoal
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for one in ${@:-qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
+    IFS=: read -r shape dt <<<"$one"
+    file=/tmp/$shape-$dt.gguf
+    /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    # Decode kernels only (shoal_*), launched eagerly, past the first 1200 (a few tokens):
+    # the prompt (candle's path) launches none of them.
+    SHOAL_CUDA_GRAPHS=0 timeout 300 "$ncu" --clock-control none --kernel-name regex:shoal_ \
+      --launch-skip 1200 --launch-count 1200 --csv --page raw --print-units base \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size \
+      /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 --pp 512 --tg 64 -r 1 \
+      >"$out/profile-$shape-$dt.csv" 2>"$out/profile-err.txt"
+    echo "ncu exit $? for $one"; tail -3 "$out/profile-err.txt"
+    rm -f "$file"
+  done
+  python3 - "$out" <<'PY' | tee "$out/profile.md"
+import csv, glob, io, os, sys
+from collections import defaultdict
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "profile-*.csv"))):
+    text = open(path).read()
+    start = text.find('"ID"')
+    if start < 0:
+        print(f"{path}: no kernels profiled"); continue
+    rows = list(csv.DictReader(io.StringIO(text[start:])))[1:]  # the second row: units
+    per = defaultdict(lambda: [0, 0.0, 0.0])
+    for r in rows:
+        k = r["Kernel Name"].split("(")[0]
+        t = float(r["gpu__time_duration.sum"].replace(",", ""))
+        b = float(r["dram__bytes_read.sum"].replace(",", ""))
+        per[k][0] += 1; per[k][1] += t; per[k][2] += b
+    total = sum(v[1] for v in per.values())
+    print(f"### {os.path.basename(path)}: {len(rows)} kernels, {total/1e3:,.0f} us of kernel time")
+    print("| kernel | launches | us total | us each | GB/s | share |")
+    print("|---|---|---|---|---|---|")
+    for k, (n, t, b) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {k} | {n} | {t/1e3:,.1f} | {t/n/1e3:.2f} | {b/t if t else 0:,.0f} | {100*t/total:.1f}% |")
+PY
 fi
 if [ "$what" = kill ]; then
   # A rank killed mid-generation: rank 0 must fail with a clear error, soon.

@@ -181,6 +181,10 @@ struct RankArgs {
     /// Rank 0: sequences served at once (continuous batching).
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
+    /// Rank 0: KV positions over all sequences and kept prefixes (the pool placement
+    /// counted); default the context times --max-batch.
+    #[arg(long)]
+    kv_positions: Option<usize>,
     /// Rank 0: while a prompt is read beside streaming answers, each step is kept within this
     /// many times a decode-only step (the streams' gap between tokens); 0: 256-token
     /// prompt slices whatever they cost.
@@ -368,6 +372,10 @@ struct BenchArgs {
     repeat: usize,
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// With --local: tokens prefilled (untimed) before each generation run, to measure
+    /// generation deep into a context (llama-bench's `-d`).
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -597,10 +605,13 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Link>) -> Result<()> {
     };
     let model = SplitModel::new(rank);
     let inbox = control.inbox().context("the control inbox was taken")?;
-    let config = ServeConfig {
+    let mut config = ServeConfig {
         gap_bound: args.gap_bound.max(0.0),
         ..ServeConfig::new(engine.context_length(), args.max_batch)
     };
+    if let Some(pool) = args.kv_positions {
+        config = config.with_kv_positions(pool, engine.context_length());
+    }
     let send = |m: FromRunner| control.send(&m);
     let served = serve(&engine, &model, &inbox, &send, config);
     let _ = model.shutdown();
@@ -1190,6 +1201,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         tg: first(&args.tg, 128),
         repeat: args.repeat.max(1),
         prefill_chunk: args.prefill_chunk,
+        depth: args.depth,
     };
     let progress = bar(0, "bench");
     let report = loaded.with_session(|engine, session| {
@@ -1213,6 +1225,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             "pp": report.pp,
             "tg": report.tg,
             "repeat": report.repeat,
+            "depth": report.depth,
             "prompt_tps": report.prompt.median,
             "generation_tps": report.generation.median,
             "prompt": report.prompt,
@@ -1246,7 +1259,11 @@ fn bench(args: BenchArgs) -> Result<()> {
         );
     };
     row(format!("pp{}", report.pp), &report.prompt);
-    row(format!("tg{}", report.tg), &report.generation);
+    let tg = match report.depth {
+        0 => format!("tg{}", report.tg),
+        d => format!("tg{} @ d{d}", report.tg),
+    };
+    row(tg, &report.generation);
     println!(
         "tokens/s over {} runs; peak RSS {:.1} MiB",
         report.repeat,

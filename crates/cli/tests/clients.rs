@@ -455,12 +455,15 @@ fn instances_are_listed_and_deleted_over_http() {
         "-o",
         "/dev/null",
         "-w",
-        "%{http_code}",
+        "%{http_code} retry-after %header{retry-after}",
         "-H",
         "content-type: application/json",
         "-d",
         r#"{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}]}"#,
         "http://127.0.0.1:52415/v1/chat/completions",
     ]);
-    assert_eq!(code, "503", "--no-auto-place: a known model placed nowhere");
+    assert_eq!(
+        code, "503 retry-after 1",
+        "--no-auto-place: a known model placed nowhere, and when to ask again"
+    );
 }

@@ -356,3 +356,64 @@ fn a_repeated_long_prefix_is_not_computed_again() {
         "the shared prefix was computed again: {warm:?} against {cold:?}"
     );
 }
+
+#[test]
+fn kept_prefixes_give_way_to_a_request_that_needs_their_room() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // One sequence at a time: placement counts a KV pool of one context, and the runner
+    // keeps sequences and kept prompts together within it.
+    let Some(c) = serving(&["--max-batch", "1"], 2048) else {
+        return;
+    };
+    let status = c.nodes[0].status().unwrap_or_default();
+    let instance = &status["instances"][0];
+    assert_eq!(instance["kv_positions"], 2048, "{instance}");
+    assert!(
+        instance["memory"][0].as_u64().unwrap_or(0) > 0,
+        "{instance}"
+    );
+
+    // About 1300 tokens, answered, then kept for a later request that shares them.
+    let kept = "the quick brown fox jumps over the lazy dog ".repeat(140);
+    assert!(!Stream::open(&c, &request(&kept, 4)).text().is_empty());
+    // About 1200 other tokens: beside the kept 1300 they would pass the pool, so the
+    // kept prompt is freed for them instead of the request waiting for ever.
+    let other = "a stitch in time saves nine and more ".repeat(140);
+    let t = Instant::now();
+    let text = Stream::open(&c, &request(&other, 8)).text();
+    eprintln!(
+        "answered in {:?} beside a kept prefix: {text:?}",
+        t.elapsed()
+    );
+    assert!(!text.is_empty());
+    eventually(Duration::from_secs(2), "nothing left running", || {
+        load(&c) == (0, 0, 0)
+    });
+}
+
+#[test]
+fn a_short_question_is_answered_while_a_long_prompt_is_still_being_read() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(c) = serving(&[], 4608) else { return };
+    // About 4000 tokens: seconds of prefill on one runner thread.
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(400);
+    let _reading = Stream::open(&c, &request(&long, 4));
+    eventually(
+        Duration::from_secs(10),
+        "the long prompt prefilling",
+        || load(&c).1 == 1,
+    );
+    let t = Instant::now();
+    let text = Stream::open(&c, &request("Say hi.", 8)).text();
+    let (running, prefilling, _) = load(&c);
+    eprintln!(
+        "answered in {:?} with the long prompt still being read ({running} running, \
+         {prefilling} prefilling): {text:?}",
+        t.elapsed()
+    );
+    assert!(!text.is_empty());
+    assert_eq!(
+        prefilling, 1,
+        "the short question waited for the whole long prompt"
+    );
+}

@@ -1,10 +1,14 @@
 //! Placement: which strategies and node sets can hold a model instance, and what each
 //! node would need. Pure: the same state and request give the same plans everywhere.
 //!
-//! Per-rank memory = its share of the weights + its KV cache at the instance's context
-//! length (f32 keys and values) + the working set of one prefill chunk (activations and
-//! the attention scores of the chunk against the whole context). A node fits when the sum
-//! over its ranks is at most 90% of its free memory (GPU memory on GPU nodes).
+//! Per-rank memory = its share of the weights + its share of the instance's KV pool (f32
+//! keys and values of every position its sequences and kept prefixes may hold) + the
+//! working set of one prefill chunk (activations and the attention scores of the chunk
+//! against the whole context). The pool is as large as a full batch of full-context
+//! sequences where that fits, halved until it does, and never below one full context:
+//! the rank 0 scheduler admits within it. A slot's room is 90% of the lesser of its free
+//! memory and its total less what placement counted for the instances already on it
+//! (their pools grow as they serve; the free memory does not show it yet).
 //!
 //! A rank needs a slot: a CPU node is one slot, a GPU node one slot per GPU, each with
 //! that GPU's memory. Tensor parallelism prefers the GPUs of one node, where the ranks
@@ -74,6 +78,14 @@ pub struct PlaceRequest {
     pub context: usize,
     /// Positions per prefill chunk.
     pub chunk: usize,
+    /// Sequences the instance serves at once: its KV pool holds this many full contexts
+    /// where they fit.
+    #[serde(default = "one_sequence")]
+    pub batch: usize,
+}
+
+fn one_sequence() -> usize {
+    1
 }
 
 /// One way to place the model.
@@ -87,6 +99,9 @@ pub struct Plan {
     pub gpus: Vec<Option<u32>>,
     /// Bytes each rank needs.
     pub memory: Vec<u64>,
+    /// KV positions of the instance's pool (see the module comment).
+    #[serde(default)]
+    pub kv_positions: usize,
 }
 
 /// Why nothing fits.
@@ -116,26 +131,64 @@ struct Slot<'a> {
     room: u64,
 }
 
+/// What placement counted for the instances already on `node`'s CPU or GPU `gpu` (a
+/// failed one is being placed again or gone: its memory is not held for it).
+fn counted(state: &ClusterState, node: &NodeId, gpu: Option<u32>) -> u64 {
+    state
+        .instances
+        .values()
+        .filter(|i| !matches!(i.status, crate::state::InstanceStatus::Failed(_)))
+        .flat_map(|i| i.ranks.iter().zip(&i.memory))
+        .filter(|(r, _)| &r.node == node && r.gpu == gpu)
+        .map(|(_, m)| *m)
+        .sum()
+}
+
+/// Room for a rank in `node`'s CPU or GPU `gpu`: 90% of the lesser of its free memory
+/// and its total less what is counted for the instances on it.
+fn room(state: &ClusterState, node: &NodeInfo, gpu: Option<u32>) -> u64 {
+    let total = match &node.resources.backend {
+        Backend::Cpu => node.resources.memory_total,
+        Backend::Cuda { memory_total, .. } => *memory_total,
+    };
+    let left = total.saturating_sub(counted(state, &node.id, gpu));
+    usable_memory(node).min(left / 10 * 9)
+}
+
 /// Every slot of the cluster: roomiest first, a node's GPUs together, ties by node id,
 /// so that every replica orders alike.
 fn slots(state: &ClusterState) -> Vec<Slot<'_>> {
-    let mut nodes: Vec<&NodeInfo> = state.nodes.values().collect();
-    nodes.sort_by(|a, b| {
-        usable_memory(b)
-            .cmp(&usable_memory(a))
-            .then(a.id.cmp(&b.id))
-    });
-    nodes
-        .into_iter()
+    let all: Vec<Slot<'_>> = state
+        .nodes
+        .values()
         .flat_map(|node| {
-            let room = usable_memory(node);
             let gpus = match &node.resources.backend {
                 Backend::Cpu => vec![None],
                 Backend::Cuda { count, .. } => (0..(*count).max(1)).map(Some).collect(),
             };
-            gpus.into_iter().map(move |gpu| Slot { node, gpu, room })
+            gpus.into_iter().map(move |gpu| Slot {
+                node,
+                gpu,
+                room: room(state, node, gpu),
+            })
         })
-        .collect()
+        .collect();
+    // A node's slots stay together, in GPU order; nodes roomiest first.
+    let best = |id: &NodeId| {
+        all.iter()
+            .filter(|s| &s.node.id == id)
+            .map(|s| s.room)
+            .max()
+            .unwrap_or(0)
+    };
+    let keys: Vec<u64> = all.iter().map(|s| best(&s.node.id)).collect();
+    let mut keyed: Vec<(u64, Slot<'_>)> = keys.into_iter().zip(all).collect();
+    keyed.sort_by(|(ra, a), (rb, b)| {
+        rb.cmp(ra)
+            .then(a.node.id.cmp(&b.node.id))
+            .then(a.gpu.cmp(&b.gpu))
+    });
+    keyed.into_iter().map(|(_, s)| s).collect()
 }
 
 /// The slots `n` ranks of `strategy` should try: for tensor parallelism the GPUs of one
@@ -214,20 +267,23 @@ pub fn pipeline_layers(
     Ok(out)
 }
 
-/// Bytes each of `n` ranks needs under `strategy`, or why the model cannot be split so.
+/// Bytes each of `n` ranks needs under `strategy` with a KV pool of `kv_positions` (at
+/// least the context), or why the model cannot be split so.
 pub fn rank_memory(
     m: &ModelFacts,
     strategy: Strategy,
     n: usize,
     context: usize,
     chunk: usize,
+    kv_positions: usize,
 ) -> Result<Vec<u64>, String> {
     let bpp = m.bytes_per_param();
     let (layer_params, embed_params) = m.params();
     let hd = m.head_dim() as u64;
     let ctx = context as u64;
+    let pool = kv_positions.max(context) as u64;
     let chunk = chunk.min(context).max(1) as u64;
-    let kv = |layers: u64, kv_heads: u64| 2 * ctx * layers * kv_heads * hd * 4;
+    let kv = |layers: u64, kv_heads: u64| 2 * pool * layers * kv_heads * hd * 4;
     let work = |heads: u64, ffn: u64| {
         chunk * 4 * (4 * m.hidden as u64 + 3 * ffn + heads * hd) + heads * chunk * ctx * 4
     };
@@ -286,6 +342,44 @@ pub fn rank_memory(
     }
 }
 
+/// The KV pools to try, largest first: `batch` full contexts, halved down to one.
+fn pools(context: usize, batch: usize) -> Vec<usize> {
+    let mut out = vec![context.saturating_mul(batch.max(1))];
+    while let Some(&last) = out.last() {
+        if last <= context {
+            break;
+        }
+        out.push((last / 2).max(context));
+    }
+    out
+}
+
+/// Slots for ranks needing `need` bytes each: the largest rank in the roomiest slot, and
+/// so on down; in rank order, or why one does not fit.
+fn fit<'s, 'a>(
+    slots: &'s [Slot<'a>],
+    need: &[u64],
+    strategy: Strategy,
+) -> Result<Vec<&'s Slot<'a>>, String> {
+    let n = need.len();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| need[b].cmp(&need[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<Option<&Slot>> = vec![None; n];
+    for (slot, &rank) in slots.iter().zip(&order) {
+        if need[rank] > slot.room {
+            return Err(format!(
+                "{strategy} over {n} ranks needs {} MiB for a rank; {}{} has {} MiB usable",
+                need[rank] >> 20,
+                slot.node.id,
+                slot.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default(),
+                slot.room >> 20
+            ));
+        }
+        chosen[rank] = Some(slot);
+    }
+    Ok(chosen.into_iter().flatten().collect())
+}
+
 /// Every valid plan, fewest ranks first, then pipeline, tensor, sequence; or why none.
 pub fn place(state: &ClusterState, req: &PlaceRequest) -> Result<Vec<Plan>, Refusal> {
     let all = slots(state);
@@ -316,42 +410,34 @@ pub fn place(state: &ClusterState, req: &PlaceRequest) -> Result<Vec<Plan>, Refu
                 continue;
             }
             let strategy = if n == 1 { Strategy::Pipeline } else { asked };
-            let need = match rank_memory(&req.model, strategy, n, req.context, req.chunk) {
-                Ok(m) => m,
-                Err(why) => {
-                    reasons.push(why);
-                    continue;
-                }
-            };
             let slots = candidates(&all, strategy, n);
-            // The largest rank in the roomiest slot, and so on down.
-            let mut order: Vec<usize> = (0..n).collect();
-            order.sort_by(|&a, &b| need[b].cmp(&need[a]).then(a.cmp(&b)));
-            let mut chosen: Vec<Option<&Slot>> = vec![None; n];
-            let mut fits = true;
-            for (slot, &rank) in slots.iter().zip(&order) {
-                if need[rank] > slot.room {
-                    fits = false;
-                    reasons.push(format!(
-                        "{strategy} over {n} ranks needs {} MiB for a rank; {}{} has {} MiB usable",
-                        need[rank] >> 20,
-                        slot.node.id,
-                        slot.gpu.map(|g| format!(" GPU {g}")).unwrap_or_default(),
-                        slot.room >> 20
-                    ));
-                    break;
+            // The largest pool that fits, down to one full context.
+            let mut last_why = None;
+            for pool in pools(req.context, req.batch) {
+                let need = match rank_memory(&req.model, strategy, n, req.context, req.chunk, pool)
+                {
+                    Ok(m) => m,
+                    Err(why) => {
+                        last_why = Some(why);
+                        break;
+                    }
+                };
+                match fit(&slots, &need, strategy) {
+                    Ok(chosen) => {
+                        plans.push(Plan {
+                            strategy,
+                            nodes: chosen.iter().map(|s| s.node.id.clone()).collect(),
+                            gpus: chosen.iter().map(|s| s.gpu).collect(),
+                            memory: need,
+                            kv_positions: pool,
+                        });
+                        last_why = None;
+                        break;
+                    }
+                    Err(why) => last_why = Some(why),
                 }
-                chosen[rank] = Some(slot);
             }
-            if fits {
-                let chosen: Vec<&Slot> = chosen.into_iter().flatten().collect();
-                plans.push(Plan {
-                    strategy,
-                    nodes: chosen.iter().map(|s| s.node.id.clone()).collect(),
-                    gpus: chosen.iter().map(|s| s.gpu).collect(),
-                    memory: need,
-                });
-            }
+            reasons.extend(last_why);
         }
     }
     if plans.is_empty() {
@@ -422,6 +508,7 @@ mod tests {
             nodes,
             context: 2048,
             chunk: 256,
+            batch: 1,
         }
     }
 
@@ -504,7 +591,8 @@ mod tests {
     #[test]
     fn splitting_lets_small_nodes_hold_what_none_holds_alone() {
         // Each node holds less than the whole model but more than a third of it.
-        let whole = rank_memory(&smollm2(), Strategy::Pipeline, 1, 2048, 256).expect("one")[0];
+        let whole =
+            rank_memory(&smollm2(), Strategy::Pipeline, 1, 2048, 256, 2048).expect("one")[0];
         let mib = (whole * 10 / 9 / 2 + (8 << 20)) >> 20;
         let s = cluster(&[("a", mib), ("b", mib), ("c", mib)]);
         let plans = place(&s, &req(None, None)).expect("plans");
@@ -565,6 +653,7 @@ mod tests {
             nodes: Some(2),
             context: 4096,
             chunk: 256,
+            batch: 1,
         };
         let plans = place(&s, &r).expect("plans");
         assert_eq!(plans[0].nodes, ["g", "g"], "{plans:?}");
@@ -612,5 +701,82 @@ mod tests {
         let mut nodes = plans[0].nodes.clone();
         nodes.sort();
         assert_eq!(nodes, ["a", "b"]);
+    }
+
+    #[test]
+    fn the_kv_pool_holds_the_batch_where_it_fits_and_one_context_at_least() {
+        assert_eq!(pools(2048, 16), [32768, 16384, 8192, 4096, 2048]);
+        assert_eq!(pools(2048, 1), [2048]);
+        assert_eq!(pools(3000, 3), [9000, 4500, 3000]);
+        let batch = |batch| PlaceRequest {
+            batch,
+            ..req(None, Some(1))
+        };
+        let one = rank_memory(&smollm2(), Strategy::Pipeline, 1, 2048, 256, 2048).expect("1")[0];
+        let per_context =
+            rank_memory(&smollm2(), Strategy::Pipeline, 1, 2048, 256, 4096).expect("2")[0] - one;
+        // Room for the weights and about five contexts: the pool of 16 is halved to 4.
+        let roomy = (one + 4 * per_context + per_context / 2) / 9 * 10;
+        let s = cluster(&[("a", (roomy >> 20) + 1)]);
+        let plan = &place(&s, &batch(16)).expect("fits")[0];
+        assert_eq!(plan.kv_positions, 4 * 2048);
+        assert_eq!(plan.memory[0], one + 3 * per_context);
+        // A batch of one is one context; so is a node with room for nothing more.
+        assert_eq!(place(&s, &batch(1)).expect("fits")[0].kv_positions, 2048);
+        let tight = cluster(&[("a", ((one / 9 * 10) >> 20) + 1)]);
+        assert_eq!(
+            place(&tight, &batch(16)).expect("fits")[0].kv_positions,
+            2048
+        );
+    }
+
+    #[test]
+    fn what_an_instance_was_counted_is_not_given_again_though_it_is_still_free() {
+        let s = cluster(&[("a", 4096), ("b", 4096)]);
+        let r = PlaceRequest {
+            batch: 1,
+            ..req(Some(Strategy::Pipeline), Some(1))
+        };
+        let first = place(&s, &r).expect("plans")[0].clone();
+        // An instance counted at nearly all of a's memory, which it does not use yet: a's
+        // free memory is unchanged, but the next instance goes to b.
+        let mut with = s.clone();
+        with.instances.insert(
+            "big".into(),
+            crate::state::Instance {
+                id: "big".into(),
+                model: "m".into(),
+                strategy: Strategy::Pipeline,
+                context: 2048,
+                ranks: vec![crate::state::RankSlot {
+                    node: first.nodes[0].clone(),
+                    gpu: None,
+                    port: None,
+                    status: crate::state::RunnerStatus::Idle,
+                }],
+                token: String::new(),
+                status: crate::state::InstanceStatus::Starting,
+                attempt: 0,
+                kv_positions: 2048,
+                memory: vec![4000 << 20],
+            },
+        );
+        let next = place(&with, &r).expect("plans");
+        assert_ne!(next[0].nodes, first.nodes, "{next:?}");
+        // A failed instance holds nothing: it is being placed again, or gone.
+        let mut failed = with.clone();
+        if let Some(i) = failed.instances.get_mut("big") {
+            i.status = crate::state::InstanceStatus::Failed("rank lost".into());
+        }
+        assert_eq!(place(&failed, &r).expect("plans")[0].nodes, first.nodes);
+        // Both nodes so counted: nothing fits, and the refusal says how much is usable.
+        let other = next[0].nodes[0].clone();
+        let mut full = with.clone();
+        let mut second = full.instances["big"].clone();
+        second.id = "big2".into();
+        second.ranks[0].node = other;
+        full.instances.insert("big2".into(), second);
+        let e = place(&full, &r).expect_err("no room");
+        assert!(e.0.contains("MiB usable"), "{e}");
     }
 }

@@ -173,6 +173,14 @@ pub struct Instance {
     /// back to 0 once the instance is ready (so faults hours apart never use up the
     /// attempts), in the replicated state, so that a new master counts on.
     pub attempt: u32,
+    /// KV positions the instance holds over all its sequences and kept prefixes, as
+    /// placement counted them (0: a state from before the pool was counted).
+    #[serde(default)]
+    pub kv_positions: usize,
+    /// Bytes placement counted for each rank, in rank order: what later placements leave
+    /// to it on its node, whatever it holds at the moment.
+    #[serde(default)]
+    pub memory: Vec<u64>,
 }
 
 /// What happened, as the master orders it.
@@ -340,6 +348,8 @@ mod tests {
             token: "t".into(),
             status: InstanceStatus::Starting,
             attempt: 0,
+            kv_positions: 0,
+            memory: Vec::new(),
         }
     }
 

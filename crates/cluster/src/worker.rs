@@ -241,6 +241,8 @@ mod tests {
                 token: "t".into(),
                 status: InstanceStatus::Starting,
                 attempt: 0,
+                kv_positions: 0,
+                memory: Vec::new(),
             },
         );
         s

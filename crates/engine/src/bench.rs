@@ -16,6 +16,10 @@ pub struct BenchConfig {
     pub tg: usize,
     pub repeat: usize,
     pub prefill_chunk: usize,
+    /// Tokens in the cache before each generation run (prefilled, not timed), as
+    /// llama-bench's `-d`: generation's rate deep into a context.
+    #[serde(default)]
+    pub depth: usize,
 }
 
 /// Median, min and max of repeated measurements.
@@ -54,6 +58,8 @@ pub struct BenchReport {
     pub pp: usize,
     pub tg: usize,
     pub repeat: usize,
+    #[serde(default)]
+    pub depth: usize,
     pub prompt: Stats,
     pub generation: Stats,
     pub peak_rss_bytes: u64,
@@ -119,11 +125,22 @@ impl Engine {
             progress(done, total);
             if config.tg > 0 {
                 session.reset()?;
+                if config.depth > 0 {
+                    let context: Vec<u32> = (0..config.depth as u64)
+                        .map(|i| ((i * 40_503 + 7) % vocab) as u32)
+                        .collect();
+                    self.prefill_in(session, &context, config.prefill_chunk)?;
+                }
                 let mut next = tokens[0];
                 let t = Instant::now();
                 for _ in 0..config.tg {
-                    let logits = session.forward(&[next], false)?;
-                    next = argmax(&logits.squeeze(0)?.to_vec1::<f32>()?);
+                    let logits = session.forward(&[next], false)?.squeeze(0)?;
+                    // On a GPU the arg-max runs there: one id comes back, not the row.
+                    next = if logits.device().is_cpu() {
+                        argmax(&logits.to_vec1::<f32>()?)
+                    } else {
+                        logits.argmax(0)?.to_scalar::<u32>()?
+                    };
                 }
                 let secs = t.elapsed().as_secs_f64();
                 if run > 0 {
@@ -137,6 +154,7 @@ impl Engine {
             pp: config.pp,
             tg: config.tg,
             repeat: config.repeat,
+            depth: config.depth,
             prompt: Stats::of(prompt),
             generation: Stats::of(generation),
             peak_rss_bytes: peak_rss_bytes(),

@@ -146,3 +146,40 @@ fn a_prompt_longer_than_the_context_is_refused() {
         .expect_err("must refuse");
     assert!(matches!(err, EngineError::PromptTooLong { .. }), "{err}");
 }
+
+#[test]
+fn bench_depth_fills_the_context_before_each_generation_run() {
+    let engine = shoal_engine::Engine::load(
+        &common::model_path("smollm2-135m"),
+        &shoal_engine::LoadOptions {
+            context_length: Some(64),
+            ..Default::default()
+        },
+    )
+    .expect("load");
+    let config = |depth| shoal_engine::BenchConfig {
+        pp: 0,
+        tg: 8,
+        repeat: 1,
+        prefill_chunk: 32,
+        depth,
+    };
+    // 56 positions of context and 8 generated fill the 64 exactly.
+    let report = engine
+        .bench(&config(56), &mut |_, _| {})
+        .expect("56 + 8 fit");
+    assert_eq!(report.depth, 56);
+    assert_eq!(report.generation.samples.len(), 1);
+    assert!(report.generation.median > 0.0);
+    // One more position of context does not: the depth really is in the cache.
+    let err = engine
+        .bench(&config(57), &mut |_, _| {})
+        .expect_err("57 + 8 exceed the context");
+    assert!(
+        matches!(
+            err,
+            EngineError::Model(shoal_model::ModelError::ContextFull { context: 64, .. })
+        ),
+        "{err}"
+    );
+}

@@ -46,6 +46,16 @@ impl Isa {
         self == Self::Amx && t >= crate::matmul::AMX_MIN_TOKENS
     }
 
+    /// Whether prompt rows and decode rows (see [`crate::Rows`]) round alike: on AVX-512
+    /// VNNI, whose register tiles and lane kernel compute every row as the single-token
+    /// kernel does, and on the portable kernel, which has one path. On AVX2 a batch's
+    /// rows take the unpacked-row kernel and a lone token the fused one; on AMX prompt
+    /// rows take the bf16 tiles: there a batch holding both must run them apart for each
+    /// row to equal its computation alone.
+    pub fn rows_round_alike(self) -> bool {
+        matches!(self, Self::Avx512Vnni | Self::Scalar)
+    }
+
     /// Every instruction set this machine can run, best last.
     pub fn available() -> Vec<Isa> {
         [Self::Scalar, Self::Avx2, Self::Avx512Vnni, Self::Amx]

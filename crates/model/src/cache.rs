@@ -120,43 +120,82 @@ impl KvCache {
         let (n_kv, t, hd) = k.dims3()?;
         let needed = self.len + t;
         if needed > self.max_len {
-            return Err(crate::ModelError::Invalid(format!(
-                "KV cache full: {needed} positions needed, {} allowed",
-                self.max_len
-            )));
+            return Err(crate::ModelError::ContextFull {
+                positions: needed,
+                context: self.max_len,
+            });
         }
-        let slot = self
-            .layers
-            .get_mut(layer - self.first_layer)
-            .ok_or_else(|| {
-                crate::ModelError::Invalid(format!("layer {layer} is not in this cache"))
-            })?;
-        let capacity = slot.as_ref().map_or(0, |l| l.k.dim(1).unwrap_or(0));
-        if needed > capacity {
-            let new_cap = needed
-                .next_power_of_two()
-                .max(self.reserve)
-                .clamp(64, self.max_len.max(needed));
-            let fresh = LayerCache {
-                k: Tensor::zeros((n_kv, new_cap, hd), self.dtype, &self.device)?,
-                v: Tensor::zeros((n_kv, new_cap, hd), self.dtype, &self.device)?,
-            };
-            if let Some(old) = slot.as_ref().filter(|_| self.len > 0) {
-                fresh
-                    .k
-                    .slice_set(&old.k.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-                fresh
-                    .v
-                    .slice_set(&old.v.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
-            }
-            *slot = Some(fresh);
-        }
+        self.grow(layer, n_kv, hd, needed)?;
+        let slot = &self.layers[layer - self.first_layer];
         let cache = slot
             .as_ref()
             .ok_or_else(|| crate::ModelError::Invalid("KV cache slot was not allocated".into()))?;
         cache.k.slice_set(&k.contiguous()?, 1, self.len)?;
         cache.v.slice_set(&v.contiguous()?, 1, self.len)?;
         Ok((cache.k.narrow(1, 0, needed)?, cache.v.narrow(1, 0, needed)?))
+    }
+
+    /// Makes `layer`'s storage hold at least `needed` positions, keeping what is stored:
+    /// the next power of two (or the expected length at once), within the context.
+    fn grow(&mut self, layer: usize, n_kv: usize, hd: usize, needed: usize) -> Result<()> {
+        let (len, reserve, max_len) = (self.len, self.reserve, self.max_len);
+        let (dtype, device) = (self.dtype, self.device.clone());
+        let slot = layer
+            .checked_sub(self.first_layer)
+            .and_then(|i| self.layers.get_mut(i))
+            .ok_or_else(|| {
+                crate::ModelError::Invalid(format!("layer {layer} is not in this cache"))
+            })?;
+        let capacity = slot.as_ref().map_or(0, |l| l.k.dim(1).unwrap_or(0));
+        if needed <= capacity {
+            return Ok(());
+        }
+        let new_cap = needed
+            .next_power_of_two()
+            .max(reserve)
+            .clamp(64, max_len.max(needed));
+        let fresh = LayerCache {
+            k: Tensor::zeros((n_kv, new_cap, hd), dtype, &device)?,
+            v: Tensor::zeros((n_kv, new_cap, hd), dtype, &device)?,
+        };
+        if let Some(old) = slot.as_ref().filter(|_| len > 0) {
+            fresh
+                .k
+                .slice_set(&old.k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+            fresh
+                .v
+                .slice_set(&old.v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+        }
+        *slot = Some(fresh);
+        Ok(())
+    }
+
+    /// Every layer's whole storage `(num_kv_heads, capacity, head_dim)`, grown to hold at
+    /// least `needed` positions (what is stored is kept): the GPU decode path writes the
+    /// next position in place. All layers share one capacity.
+    #[cfg(any(test, feature = "cuda"))]
+    pub(crate) fn decode_layers(
+        &mut self,
+        n_kv: usize,
+        hd: usize,
+        needed: usize,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        if needed > self.max_len {
+            return Err(crate::ModelError::ContextFull {
+                positions: needed,
+                context: self.max_len,
+            });
+        }
+        let first = self.first_layer;
+        (first..first + self.layers.len())
+            .map(|layer| {
+                self.grow(layer, n_kv, hd, needed)?;
+                let l = self.layers[layer - first].as_ref().ok_or_else(|| {
+                    crate::ModelError::Invalid("KV cache slot was not allocated".into())
+                })?;
+                Ok((l.k.clone(), l.v.clone()))
+            })
+            .collect()
     }
 
     /// A copy of the first `len` positions, in storage of its own (a prefix cache hands
@@ -198,5 +237,56 @@ impl KvCache {
     /// Marks `t` more positions as stored, after all layers appended them.
     pub fn advance(&mut self, t: usize) {
         self.len += t;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(t: &Tensor, len: usize) -> Vec<f32> {
+        t.narrow(1, 0, len)
+            .and_then(|t| t.flatten_all())
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("values")
+    }
+
+    #[test]
+    fn decode_layers_grow_every_layer_by_doubling_and_keep_what_is_stored() {
+        let (n_kv, hd) = (2, 4);
+        let mut cache = KvCache::new(3, 2, 1000);
+        let k = Tensor::arange(0f32, (n_kv * 5 * hd) as f32, &Device::Cpu)
+            .and_then(|t| t.reshape((n_kv, 5, hd)))
+            .expect("k");
+        for layer in 3..5 {
+            cache.append(layer, &k, &k).expect("append");
+        }
+        cache.advance(5);
+        // 64 positions at first; the 65th doubles every layer, contents kept.
+        let small = cache.decode_layers(n_kv, hd, 6).expect("6 fit");
+        assert!(
+            small
+                .iter()
+                .all(|(k, v)| k.dim(1).ok() == Some(64) && v.dim(1).ok() == Some(64))
+        );
+        let grown = cache.decode_layers(n_kv, hd, 65).expect("65 fit");
+        assert_eq!(grown.len(), 2);
+        for (gk, gv) in &grown {
+            assert_eq!(gk.dim(1).expect("dim"), 128);
+            assert_eq!(values(gk, 5), values(&k, 5));
+            assert_eq!(values(gv, 5), values(&k, 5));
+        }
+        // Past the context is the typed error, and nothing is allocated for it.
+        let err = cache
+            .decode_layers(n_kv, hd, 1001)
+            .expect_err("past the context");
+        assert!(matches!(
+            err,
+            crate::ModelError::ContextFull {
+                positions: 1001,
+                context: 1000
+            }
+        ));
+        assert_eq!(cache.size_in_bytes(), 2 * 2 * n_kv * 128 * hd * 4);
     }
 }

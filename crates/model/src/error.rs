@@ -40,6 +40,8 @@ pub enum ModelError {
         actual: Vec<usize>,
         expected: Vec<usize>,
     },
+    #[error("sequence of {positions} positions exceeds the context of {context}")]
+    ContextFull { positions: usize, context: usize },
     #[error("{0}")]
     Invalid(String),
     #[error("tensor operation failed: {0}")]

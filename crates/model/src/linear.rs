@@ -160,6 +160,17 @@ impl QLinear {
         }
     }
 
+    /// The weights as loaded (the GPU decode path reads them in place).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn matrix(&self) -> &Matrix {
+        &self.weight
+    }
+
+    #[cfg(feature = "cuda")]
+    pub(crate) fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
     pub fn in_features(&self) -> usize {
         self.in_features
     }

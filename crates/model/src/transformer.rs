@@ -10,6 +10,8 @@ use shoal_kernels::{QuantMatrix, Rows};
 
 use crate::linear::{KernelChoice, Matrix, shoal_matrix};
 mod batch;
+#[cfg(feature = "cuda")]
+mod gpu_decode;
 mod ring;
 mod row_attention;
 
@@ -156,6 +158,30 @@ impl Rope {
     }
 }
 
+/// How a CUDA model decodes one token (batch 1) of a whole model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuDecode {
+    /// shoal's decode kernels, captured once as a CUDA graph and replayed (the default).
+    Graphs,
+    /// The same kernels launched one by one (`SHOAL_CUDA_GRAPHS=0`).
+    Eager,
+    /// candle's operations, as a batch or a prompt runs (`SHOAL_GPU_DECODE=candle`).
+    Candle,
+}
+
+impl GpuDecode {
+    /// The mode the environment asks for.
+    pub fn from_env() -> Self {
+        if std::env::var("SHOAL_GPU_DECODE").as_deref() == Ok("candle") {
+            Self::Candle
+        } else if std::env::var("SHOAL_CUDA_GRAPHS").as_deref() == Ok("0") {
+            Self::Eager
+        } else {
+            Self::Graphs
+        }
+    }
+}
+
 /// A model, or the part of one that a shard holds.
 #[derive(Debug, Clone)]
 pub struct Model {
@@ -167,6 +193,10 @@ pub struct Model {
     rope: Rope,
     max_len: usize,
     compute: Compute,
+    gpu_decode: GpuDecode,
+    /// The GPU decode path's kernels, buffers and graphs, built on first use.
+    #[cfg(feature = "cuda")]
+    gpu_plan: Arc<std::sync::Mutex<gpu_decode::PlanState>>,
 }
 
 fn require(source: &dyn WeightSource, name: &str) -> Result<Weight> {
@@ -450,6 +480,9 @@ impl Model {
             head,
             max_len,
             compute: compute.clone(),
+            gpu_decode: GpuDecode::from_env(),
+            #[cfg(feature = "cuda")]
+            gpu_plan: Default::default(),
         })
     }
 
@@ -479,6 +512,17 @@ impl Model {
 
     /// Token ids to hidden states `(t, hidden)`.
     pub fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let rows = self.embed_host(tokens)?;
+        if self.compute.device.is_cpu() && self.compute.dtype == DType::F32 {
+            return Ok(rows);
+        }
+        Ok(rows
+            .to_dtype(self.compute.dtype)?
+            .to_device(&self.compute.device)?)
+    }
+
+    /// [`Model::embed`]'s rows on the host, before they go to the compute device.
+    fn embed_host(&self, tokens: &[u32]) -> Result<Tensor> {
         let embedding = self
             .embedding
             .as_ref()
@@ -504,12 +548,12 @@ impl Model {
             Embedding::Candle(q) => q.embedding(&Tensor::new(tokens, &Device::Cpu)?)?,
             Embedding::Dense(t) => t.index_select(&Tensor::new(tokens, &Device::Cpu)?, 0)?,
         };
-        if self.compute.device.is_cpu() && self.compute.dtype == DType::F32 {
-            return Ok(rows);
-        }
-        Ok(rows
-            .to_dtype(self.compute.dtype)?
-            .to_device(&self.compute.device)?)
+        Ok(rows.to_dtype(DType::F32)?)
+    }
+
+    /// How single tokens decode on a GPU (no effect on the CPU).
+    pub fn set_gpu_decode(&mut self, mode: GpuDecode) {
+        self.gpu_decode = mode;
     }
 
     /// Where and in which type this model computes.
@@ -541,11 +585,10 @@ impl Model {
         let t = hidden.dim(0)?;
         let pos = cache.len();
         if pos + t > self.max_len {
-            return Err(ModelError::Invalid(format!(
-                "sequence of {} positions exceeds the context of {}",
-                pos + t,
-                self.max_len
-            )));
+            return Err(ModelError::ContextFull {
+                positions: pos + t,
+                context: self.max_len,
+            });
         }
         let mask = causal_mask(t, pos, self.config.group_size(), &self.compute)?;
         // Every prompt chunk on the bf16 tiles (where the machine has them), whatever its
@@ -754,6 +797,12 @@ impl Model {
     /// Embedding, all layers and head in one call; the logits of the last position only
     /// when `all_logits` is false.
     pub fn forward(&self, tokens: &[u32], cache: &mut KvCache, all_logits: bool) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let [token] = tokens
+            && let Some(logits) = self.gpu_decode(*token, cache)?
+        {
+            return Ok(logits);
+        }
         let h = self.embed(tokens)?;
         let h = self.forward_layers(h, cache)?;
         let h = if all_logits {

@@ -5,7 +5,7 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
-use shoal_model::{Architecture, Compute, GgufFile, LoadSpec, Model};
+use shoal_model::{Architecture, Compute, GgufFile, GpuDecode, LoadSpec, Model};
 
 fn gpu(dtype: DType) -> Option<Compute> {
     match Compute::parse("cuda:0") {
@@ -115,6 +115,118 @@ fn gpu_logits_and_greedy_tokens_match_the_cpu() {
                     arch.name()
                 );
             }
+        }
+    }
+}
+
+/// The decode path's shape: heads of 64 in groups of 4, widths that K-quant blocks divide.
+fn decode_shape(arch: Architecture) -> SyntheticShape {
+    SyntheticShape {
+        hidden: 512,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 64,
+        ffn: 1024,
+        vocab: 512,
+        layers: 3,
+        context: 256,
+        ..SyntheticShape::tiny(arch)
+    }
+}
+
+/// Logits of every decode step after a prompt, the decoded tokens given (the CPU's
+/// greedy answer), so every path sees the same sequence.
+fn decode_logits(model: &Model, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache();
+    model.forward(prompt, &mut cache, false).expect("prefill");
+    tokens
+        .iter()
+        .map(|&t| {
+            rows(&model.forward(&[t], &mut cache, false).expect("decode"))
+                .pop()
+                .expect("a row")
+        })
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+            if v > bv { (i, v) } else { (bi, bv) }
+        })
+        .0 as u32
+}
+
+#[test]
+fn graph_replay_equals_eager_decoding_and_the_cpu() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-decode-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let prompt: Vec<u32> = (0..23).map(|i| (i * 37 + 11) % 500).collect();
+    const STEPS: usize = 64;
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ] {
+        for wt in [
+            GgmlDType::F32,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let path = dir.join(format!("{}-{wt:?}.gguf", arch.name()));
+            write_synthetic_gguf(&decode_shape(arch), wt, 5, &path).expect("write");
+            let file = GgufFile::open(&path).expect("open");
+            let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
+            unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+            let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+            // The CPU's greedy answer is the sequence every path decodes.
+            let mut tokens = vec![prompt[prompt.len() - 1]];
+            let mut cache = cpu.new_cache();
+            let mut logits = cpu
+                .forward(&prompt, &mut cache, false)
+                .expect("cpu prefill");
+            for _ in 0..STEPS {
+                let next = argmax(&rows(&logits)[0]);
+                tokens.push(next);
+                logits = cpu.forward(&[next], &mut cache, false).expect("cpu decode");
+            }
+            let tokens = &tokens[1..];
+            let want = decode_logits(&cpu, &prompt, tokens);
+            let load = |mode: GpuDecode| {
+                let mut m = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
+                m.set_gpu_decode(mode);
+                m
+            };
+            let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, tokens);
+            let eager = decode_logits(&load(GpuDecode::Eager), &prompt, tokens);
+            let candle = decode_logits(&load(GpuDecode::Candle), &prompt, tokens);
+            let (e_cpu, scale) = max_err(&want, &graphs);
+            let (e_candle, _) = max_err(&want, &candle);
+            eprintln!(
+                "{} {wt:?}: {STEPS} steps, graph vs CPU f32 {e_cpu:.2e}, candle's bf16 path vs CPU \
+                 {e_candle:.2e} (scale {scale:.2})",
+                arch.name()
+            );
+            assert_eq!(
+                graphs,
+                eager,
+                "{} {wt:?}: graph replay differs from eager",
+                arch.name()
+            );
+            let greedy = |l: &[Vec<f32>]| l.iter().map(|r| argmax(r)).collect::<Vec<_>>();
+            assert_eq!(greedy(&graphs), greedy(&eager), "{} {wt:?}", arch.name());
+            // bf16 weights as candle's bf16 path; quantized ones add 8-bit activations.
+            let tol = if wt == GgmlDType::F32 { 8e-2 } else { 1.5e-1 };
+            assert!(
+                e_cpu <= tol * scale,
+                "{} {wt:?}: graph decode off the CPU by {e_cpu} (scale {scale})",
+                arch.name()
+            );
         }
     }
 }

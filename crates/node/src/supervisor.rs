@@ -49,6 +49,8 @@ pub struct RunnerSpec {
     pub exe: PathBuf,
     pub threads: Option<usize>,
     pub max_batch: usize,
+    /// Rank 0's KV pool in positions, as placement counted it (0: the runner's default).
+    pub kv_positions: usize,
     /// Rank 0's bound on a step beside streams, in decode steps (`shoal rank --gap-bound`).
     pub gap_bound: f64,
     pub socket_dir: PathBuf,
@@ -203,6 +205,9 @@ pub fn start(
         cmd.arg("--threads").arg(t.to_string());
     }
     cmd.arg("--max-batch").arg(spec.max_batch.to_string());
+    if spec.kv_positions > 0 {
+        cmd.arg("--kv-positions").arg(spec.kv_positions.to_string());
+    }
     cmd.arg("--gap-bound").arg(spec.gap_bound.to_string());
     let rank_listener = spec.listener.take();
     if let Some(l) = &rank_listener {

@@ -110,7 +110,7 @@ pub fn may_queue(waiting: usize, limits: &Limits) -> bool {
 /// the batch has room and its KV fits beside what is admitted; the first that does not
 /// fit stops the line (a big request is not overtaken forever by small ones).
 pub fn admit(waiting: &[Waiting], running: &[Running], limits: &Limits) -> Vec<u64> {
-    let mut used: usize = running.iter().map(Running::positions).sum();
+    let mut used = reserved(running);
     let mut out = Vec::new();
     for (batch, w) in (running.len()..).zip(waiting) {
         if batch >= limits.max_batch || used + w.positions() > limits.kv_positions {
@@ -122,13 +122,45 @@ pub fn admit(waiting: &[Waiting], running: &[Running], limits: &Limits) -> Vec<u
     out
 }
 
+/// KV positions the running sequences hold or may come to hold (prompt and answer each).
+pub fn reserved(running: &[Running]) -> usize {
+    running.iter().map(Running::positions).sum()
+}
+
+/// Positions that prompts kept for reuse (`kept` of them, in the same pool) must give up
+/// for the first waiting request to be admitted: 0 when it fits beside them, or when the
+/// batch has no room for it anyway.
+pub fn kept_to_free(
+    waiting: &[Waiting],
+    running: &[Running],
+    kept: usize,
+    limits: &Limits,
+) -> usize {
+    match waiting.first() {
+        Some(w) if running.len() < limits.max_batch => {
+            (reserved(running) + w.positions() + kept).saturating_sub(limits.kv_positions)
+        }
+        _ => 0,
+    }
+}
+
 /// Whether a request can ever be admitted (its KV alone fits the instance).
 pub fn fits_at_all(w: &Waiting, limits: &Limits) -> bool {
     w.positions() <= limits.kv_positions
 }
 
-/// The next step: every decoding sequence's token, then prompt slices oldest first
-/// within what is left of the token budget and at most `prompt_tokens` of them (see
+/// The next step, by three rules in order:
+/// 1. every decoding sequence's token (over a pipeline, its share: see below);
+/// 2. when the oldest prompt is longer than what is left of the token budget, half of
+///    it to the prompts that came after, shortest first: a short question is read
+///    within a step or two however long the prompt before it (vLLM's chunked prefill,
+///    oldest first, would keep it behind the whole of it). Prompts that all end within
+///    the step keep their order, and their slices stay whole where they fit;
+/// 3. the rest to the oldest prompt, then to the others in that order (else in the
+///    order they came) — so the oldest keeps at least half of the budget and short ones
+///    never starve it.
+///
+/// All within the token budget and at most `prompt_tokens` prompt tokens (see
 /// [`prompt_budget`]). Empty when nothing is ready.
 ///
 /// Sequences in flight wait for their logits. Over a pipeline of k stages a step takes
@@ -147,21 +179,79 @@ pub fn next_step(running: &[Running], limits: &Limits, prompt_tokens: usize) -> 
     let mut left = limits
         .step_tokens
         .saturating_sub(work.len())
-        .min(prompt_tokens.max(1));
-    for r in running.iter().filter(|r| !r.decoding() && !r.in_flight) {
-        if left == 0 {
-            break;
-        }
-        let len = (r.prompt - r.prefilled).min(left);
-        left -= len;
-        work.push(Work::Prefill {
-            id: r.id,
-            start: r.prefilled,
-            len,
-            last: r.prefilled + len == r.prompt,
-        });
+        .min(prompt_tokens);
+    let pending: Vec<&Running> = running
+        .iter()
+        .filter(|r| !r.decoding() && !r.in_flight)
+        .collect();
+    let Some((&oldest, later)) = pending.split_first() else {
+        return work;
+    };
+    let rest = |r: &Running| r.prompt - r.prefilled;
+    let jump = rest(oldest) > left;
+    let mut later = later.to_vec();
+    if jump {
+        later.sort_by_key(|r| rest(r));
     }
+    // Tokens each prompt gets: `later`'s in their order, then the oldest's.
+    let mut lens = vec![0; later.len() + 1];
+    let mut half = if jump { left / 2 } else { 0 };
+    for (i, r) in later.iter().enumerate() {
+        left -= give(&mut lens[i], rest(r), &mut half);
+    }
+    give(&mut lens[later.len()], rest(oldest), &mut left);
+    for (i, r) in later.iter().enumerate() {
+        let want = rest(r) - lens[i];
+        give(&mut lens[i], want, &mut left);
+    }
+    let oldest_len = lens[later.len()];
+    if oldest_len > 0 {
+        work.push(slice(oldest, oldest_len));
+    }
+    work.extend(
+        later
+            .iter()
+            .zip(&lens)
+            .filter(|(_, len)| **len > 0)
+            .map(|(r, len)| slice(r, *len)),
+    );
     work
+}
+
+/// Up to `want` more tokens to `len`, out of `cap`; how many.
+fn give(len: &mut usize, want: usize, cap: &mut usize) -> usize {
+    let n = want.min(*cap);
+    *len += n;
+    *cap -= n;
+    n
+}
+
+/// `r`'s next `len` prompt tokens, made [`whole_rows`].
+fn slice(r: &Running, len: usize) -> Work {
+    let len = whole_rows(len, r.prompt - r.prefilled);
+    Work::Prefill {
+        id: r.id,
+        start: r.prefilled,
+        len,
+        last: r.prefilled + len == r.prompt,
+    }
+}
+
+/// A slice of `len` of the `left` prompt tokens, moved by one where it would be or leave
+/// a lone row: the model computes a lone row as a decode step's (the single-token
+/// kernels) and two or more as a prompt's, which on some machines round otherwise, so a
+/// prompt sliced into lone rows would not reproduce the answer it gets read whole. A
+/// prompt of one token is read as one row either way.
+pub fn whole_rows(len: usize, left: usize) -> usize {
+    if left <= 2 {
+        return left;
+    }
+    let len = len.clamp(2, left);
+    if left - len == 1 {
+        if len > 2 { len - 1 } else { len + 1 }
+    } else {
+        len
+    }
 }
 
 /// What steps cost on this instance, learned from the steps it runs (exponential
@@ -209,301 +299,70 @@ impl StepCosts {
     }
 }
 
-/// The most prompt tokens the next step may take beside `decoding` streams so that it
-/// lasts at most `bound` times a decode-only step, aiming at 80% of that for noise; at
-/// least one token, so a prompt always progresses. Without streams, or without a bound
-/// (`bound` 0), or before the costs are known, the whole token budget.
-pub fn prompt_budget(costs: &StepCosts, decoding: usize, bound: f64, limits: &Limits) -> usize {
+/// How long one step may last, whatever it holds; the two bounds on its prompt tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepBounds {
+    /// A step beside streams lasts at most this many decode-only steps (0: no bound).
+    pub gap: f64,
+    /// Any step lasts at most about this many milliseconds (0: no bound), so that a
+    /// cancel, a new arrival or a stop is seen within it even in a long prompt.
+    pub ms: f64,
+}
+
+/// A prompt-only step takes at least this many tokens however slow they are: fewer would
+/// read the weights for too little work.
+pub const MIN_SLICE: usize = 32;
+
+/// The most prompt tokens the next step may take beside `decoding` streams: within the
+/// token budget, within `bounds.gap` times a decode-only step when there are streams
+/// (Sarathi-Serve's rule, in time), and within `bounds.ms` for any step; each aims at 80%
+/// of its bound for noise. Beside streams at least one token, so a prompt always
+/// progresses — once the streams' own cost is known: until then none, so that a step of
+/// them alone measures it. Alone at least [`MIN_SLICE`]. What is not yet known bounds
+/// nothing else, except that a step of prompt alone before any prompt cost is known
+/// takes a slice of twice [`MIN_SLICE`] to learn it (a decode step's cost, when known,
+/// stands in for a prompt token's: a token never costs more than a step that reads every
+/// weight for it).
+pub fn prompt_budget(
+    costs: &StepCosts,
+    decoding: usize,
+    bounds: StepBounds,
+    limits: &Limits,
+) -> usize {
     let all = limits.step_tokens.saturating_sub(decoding);
-    let per_token = costs.per_token_beside.or(costs.per_prompt_token);
-    let (Some(decode), Some(per_token)) = (costs.decode, per_token) else {
-        return all;
-    };
-    if decoding == 0 || bound <= 0.0 || per_token <= 0.0 {
-        return all;
+    if decoding > 0 && bounds.gap > 0.0 && costs.decode.is_none() {
+        // Streams whose step cost is not known yet (they began beside a prompt): one
+        // step of them alone measures it, rather than a prompt slice stalling them.
+        return 0;
     }
-    let room = (0.8 * bound - 1.0) * decode;
-    ((room / per_token).floor().max(1.0) as usize).min(all)
+    let per_token = costs.per_token_beside.or(costs.per_prompt_token);
+    let beside = match (costs.decode, per_token) {
+        (Some(decode), Some(per_token)) if decoding > 0 && bounds.gap > 0.0 && per_token > 0.0 => {
+            let room = (0.8 * bounds.gap - 1.0) * decode;
+            (room / per_token).floor().max(1.0) as usize
+        }
+        _ => all,
+    };
+    let timed = if bounds.ms <= 0.0 {
+        all
+    } else {
+        let this_step = if decoding == 0 {
+            costs.per_prompt_token.or(costs.per_token_beside)
+        } else {
+            per_token
+        };
+        let floor = if decoding == 0 { MIN_SLICE } else { 1 };
+        match this_step.or(costs.decode).filter(|&t| t > 0.0) {
+            Some(per_token) => {
+                let room = 0.8 * bounds.ms - costs.decode.filter(|_| decoding > 0).unwrap_or(0.0);
+                ((room.max(0.0) / per_token).floor() as usize).max(floor)
+            }
+            None if decoding == 0 => 2 * MIN_SLICE,
+            None => all,
+        }
+    };
+    beside.min(timed).min(all).max(1)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn limits() -> Limits {
-        Limits {
-            step_tokens: 16,
-            max_batch: 4,
-            kv_positions: 1000,
-            max_queue: 8,
-            stages: 1,
-        }
-    }
-
-    fn waiting(id: u64, prompt: usize, max_new: usize) -> Waiting {
-        Waiting {
-            id,
-            prompt,
-            max_new,
-        }
-    }
-
-    fn running(id: u64, prompt: usize, prefilled: usize) -> Running {
-        Running {
-            id,
-            prompt,
-            max_new: 10,
-            prefilled,
-            in_flight: false,
-        }
-    }
-
-    #[test]
-    fn decode_tokens_come_first_then_prompt_slices_within_the_budget() {
-        let r = [
-            running(1, 4, 4),
-            running(2, 100, 0),
-            running(3, 5, 5),
-            running(4, 8, 0),
-        ];
-        let step = next_step(&r, &limits(), usize::MAX);
-        assert_eq!(
-            step,
-            vec![
-                Work::Decode { id: 1 },
-                Work::Decode { id: 3 },
-                Work::Prefill {
-                    id: 2,
-                    start: 0,
-                    len: 14,
-                    last: false
-                },
-            ],
-            "two decodes, then the oldest prompt takes the 14 tokens left"
-        );
-        let tokens: usize = step
-            .iter()
-            .map(|w| match w {
-                Work::Decode { .. } => 1,
-                Work::Prefill { len, .. } => *len,
-            })
-            .sum();
-        assert!(tokens <= limits().step_tokens);
-    }
-
-    #[test]
-    fn a_prompt_is_sliced_across_steps_and_its_last_slice_says_so() {
-        let mut r = vec![running(1, 40, 0)];
-        let mut slices = Vec::new();
-        while !r[0].decoding() {
-            let step = next_step(&r, &limits(), usize::MAX);
-            let [
-                Work::Prefill {
-                    start, len, last, ..
-                },
-            ] = step[..]
-            else {
-                panic!("one prefill slice: {step:?}");
-            };
-            assert_eq!(start, r[0].prefilled);
-            r[0].prefilled += len;
-            slices.push((len, last));
-        }
-        assert_eq!(slices, vec![(16, false), (16, false), (8, true)]);
-        assert_eq!(
-            next_step(&r, &limits(), usize::MAX),
-            vec![Work::Decode { id: 1 }]
-        );
-    }
-
-    #[test]
-    fn a_long_prompt_never_stops_the_streams() {
-        // Four streams and a 4000-token prompt: every step still carries all four.
-        let mut r = vec![
-            running(1, 3, 3),
-            running(2, 3, 3),
-            running(3, 3, 3),
-            running(9, 4000, 0),
-        ];
-        for _ in 0..300 {
-            let step = next_step(&r, &limits(), usize::MAX);
-            let decodes = step
-                .iter()
-                .filter(|w| matches!(w, Work::Decode { .. }))
-                .count();
-            assert_eq!(decodes, 3);
-            if let Some(Work::Prefill { len, .. }) =
-                step.iter().find(|w| matches!(w, Work::Prefill { .. }))
-            {
-                assert!(*len <= limits().step_tokens - 3);
-                r[3].prefilled += len;
-            }
-        }
-        assert!(r[3].prefilled > 0, "the prompt progressed too");
-    }
-
-    #[test]
-    fn admission_is_first_come_first_served_within_batch_and_memory() {
-        let l = limits();
-        let w = [
-            waiting(1, 100, 100),
-            waiting(2, 100, 100),
-            waiting(3, 10, 10),
-        ];
-        assert_eq!(admit(&w, &[], &l), vec![1, 2, 3]);
-        // Memory: 600 in use leaves room for two of 200, not a third; the small one
-        // behind the one that does not fit waits its turn.
-        let busy = [Running {
-            id: 7,
-            prompt: 300,
-            max_new: 300,
-            prefilled: 300,
-            in_flight: false,
-        }];
-        let w = [
-            waiting(1, 100, 100),
-            waiting(2, 100, 100),
-            waiting(3, 100, 100),
-            waiting(4, 1, 1),
-        ];
-        assert_eq!(admit(&w, &busy, &l), vec![1, 2]);
-        // Batch: four at most.
-        let full: Vec<Running> = (10..14).map(|i| running(i, 1, 1)).collect();
-        assert!(admit(&[waiting(1, 1, 1)], &full, &l).is_empty());
-    }
-
-    #[test]
-    fn a_cancelled_sequence_frees_its_room_at_once() {
-        let l = Limits {
-            max_batch: 1,
-            ..limits()
-        };
-        let mut r = vec![running(1, 10, 10)];
-        let w = [waiting(2, 5, 5)];
-        assert!(admit(&w, &r, &l).is_empty());
-        r.retain(|s| s.id != 1); // cancelled
-        assert_eq!(admit(&w, &r, &l), vec![2]);
-        assert!(next_step(&r, &l, usize::MAX).is_empty());
-    }
-
-    #[test]
-    fn the_queue_is_bounded_and_a_request_too_big_for_the_instance_is_known_at_once() {
-        let l = limits();
-        assert!(may_queue(7, &l));
-        assert!(!may_queue(8, &l));
-        assert!(fits_at_all(&waiting(1, 500, 500), &l));
-        assert!(!fits_at_all(&waiting(1, 900, 101), &l));
-    }
-
-    #[test]
-    fn every_decoding_sequence_gets_a_token_every_step() {
-        // Fairness between streams: no stream is skipped however many there are
-        // (the batch limit keeps their number within the budget).
-        let r: Vec<Running> = (0..4).map(|i| running(i, 2, 2)).collect();
-        for _ in 0..10 {
-            let ids: Vec<u64> = next_step(&r, &limits(), usize::MAX)
-                .iter()
-                .map(|w| match w {
-                    Work::Decode { id } => *id,
-                    Work::Prefill { id, .. } => *id,
-                })
-                .collect();
-            assert_eq!(ids, vec![0, 1, 2, 3]);
-        }
-    }
-
-    fn ids(work: &[Work]) -> Vec<u64> {
-        work.iter().map(Work::id).collect()
-    }
-
-    #[test]
-    fn a_pipeline_keeps_a_micro_batch_per_stage_in_flight() {
-        let l = Limits {
-            stages: 2,
-            ..limits()
-        };
-        // Eight streams over two stages: two micro-batches of four.
-        let mut r: Vec<Running> = (0..8).map(|i| running(i, 2, 2)).collect();
-        let a = next_step(&r, &l, usize::MAX);
-        assert_eq!(ids(&a), vec![0, 1, 2, 3]);
-        for s in &mut r[..4] {
-            s.in_flight = true;
-        }
-        let b = next_step(&r, &l, usize::MAX);
-        assert_eq!(ids(&b), vec![4, 5, 6, 7]);
-        for s in &mut r[4..] {
-            s.in_flight = true;
-        }
-        assert!(next_step(&r, &l, usize::MAX).is_empty(), "both stages busy");
-        // The first comes back: its four go again, the others still wait.
-        for s in &mut r[..4] {
-            s.in_flight = false;
-        }
-        assert_eq!(ids(&next_step(&r, &l, usize::MAX)), vec![0, 1, 2, 3]);
-        // An odd count: shares of five and four; one stream alone goes alone.
-        let r: Vec<Running> = (0..9).map(|i| running(i, 2, 2)).collect();
-        assert_eq!(next_step(&r, &l, usize::MAX).len(), 5);
-        assert_eq!(next_step(&r[..1], &l, usize::MAX).len(), 1);
-        // A prompt's slices follow each other through the stages; one whose last slice
-        // is in flight (it waits for its first token's logits) sits out.
-        let mut r = vec![running(1, 100, 40)];
-        assert_eq!(
-            next_step(&r, &l, usize::MAX),
-            vec![Work::Prefill {
-                id: 1,
-                start: 40,
-                len: 16,
-                last: false
-            }]
-        );
-        r[0].prefilled = 100;
-        r[0].in_flight = true;
-        assert!(next_step(&r, &l, usize::MAX).is_empty());
-    }
-
-    #[test]
-    fn beside_streams_a_prompt_slice_is_sized_by_time() {
-        let l = Limits {
-            step_tokens: 256,
-            ..limits()
-        };
-        let mut costs = StepCosts::default();
-        assert_eq!(prompt_budget(&costs, 1, 2.0, &l), 255, "nothing known yet");
-        // Decode-only steps of 10 ms; a lone 256-token slice of 256 ms: 1 ms a token.
-        for _ in 0..20 {
-            costs.observe(1, 0, 10.0);
-            costs.observe(0, 256, 256.0);
-        }
-        assert!((costs.decode.unwrap() - 10.0).abs() < 1e-9);
-        assert!((costs.per_prompt_token.unwrap() - 1.0).abs() < 1e-9);
-        // A bound of 2: (0.8 · 2 − 1) · 10 ms = 6 ms of room, six tokens.
-        assert_eq!(prompt_budget(&costs, 1, 2.0, &l), 6);
-        // Beside the streams a prompt token costs 2 ms (its own pass through the layers,
-        // attention further back): three tokens.
-        for _ in 0..40 {
-            costs.observe(1, 6, 10.0 + 12.0);
-        }
-        assert!(
-            (costs.per_token_beside.unwrap() - 2.0).abs() < 0.01,
-            "{costs:?}"
-        );
-        assert_eq!(prompt_budget(&costs, 1, 2.0, &l), 3);
-        // However tight, a prompt still progresses; without streams or a bound it takes
-        // the whole budget.
-        assert_eq!(prompt_budget(&costs, 1, 1.0, &l), 1);
-        assert_eq!(prompt_budget(&costs, 0, 2.0, &l), 256);
-        assert_eq!(prompt_budget(&costs, 3, 0.0, &l), 253);
-        // And the step obeys it.
-        let r = [running(1, 4, 4), running(2, 100, 0)];
-        let step = next_step(&r, &l, prompt_budget(&costs, 1, 2.0, &l));
-        assert_eq!(
-            step[1],
-            Work::Prefill {
-                id: 2,
-                start: 0,
-                len: 3,
-                last: false
-            }
-        );
-    }
-}
+mod tests;

@@ -14,8 +14,8 @@ use shoal_tokenizer::{ChatMessage, ToolCallStream, ToolCallSyntax, ToolEvent};
 use crate::SplitModel;
 use crate::control::{ErrorKind, FromRunner, GenerateRequest, Timings, ToRunner, Usage};
 use crate::scheduler::{
-    Limits, Running, StepCosts, Waiting, Work, admit, fits_at_all, may_queue, next_step,
-    prompt_budget,
+    Limits, Running, StepBounds, StepCosts, Waiting, Work, admit, fits_at_all, kept_to_free,
+    may_queue, next_step, prompt_budget, reserved,
 };
 use crate::step::{Logits, Part};
 
@@ -27,9 +27,19 @@ pub struct ServeConfig {
     pub prefix_positions: usize,
     /// A step beside streams lasts at most this many decode-only steps (0: no bound).
     pub gap_bound: f64,
+    /// Any step lasts about this many milliseconds at most (0: no bound): a cancel, a
+    /// new request or a stop waits at most one step, also in a long prompt.
+    pub step_ms: f64,
 }
 
 impl ServeConfig {
+    /// The KV pool placement counted for the instance (at least one context): running
+    /// sequences and kept prefixes together stay within it.
+    pub fn with_kv_positions(mut self, pool: usize, context: usize) -> Self {
+        self.limits.kv_positions = pool.max(context);
+        self
+    }
+
     /// `max_batch` sequences at once, each up to the context; 256 tokens a step.
     pub fn new(context: usize, max_batch: usize) -> Self {
         let max_batch = max_batch.max(1);
@@ -43,6 +53,7 @@ impl ServeConfig {
             },
             prefix_positions: 4 * context,
             gap_bound: 2.0,
+            step_ms: 500.0,
         }
     }
 }
@@ -109,13 +120,24 @@ impl Prefixes {
             used: self.clock,
         });
         let mut freed = Vec::new();
-        while self.kept.iter().map(|k| k.tokens.len()).sum::<usize>() > budget {
-            let Some(oldest) = (0..self.kept.len()).min_by_key(|&i| self.kept[i].used) else {
+        while self.positions() > budget {
+            let Some(seq) = self.evict_oldest() else {
                 break;
             };
-            freed.push(self.kept.remove(oldest).seq);
+            freed.push(seq);
         }
         freed
+    }
+
+    /// Positions the kept prompts hold.
+    fn positions(&self) -> usize {
+        self.kept.iter().map(|k| k.tokens.len()).sum()
+    }
+
+    /// Forgets the least recently used kept prompt; its sequence, to free.
+    fn evict_oldest(&mut self) -> Option<u64> {
+        let oldest = (0..self.kept.len()).min_by_key(|&i| self.kept[i].used)?;
+        Some(self.kept.remove(oldest).seq)
     }
 }
 
@@ -496,10 +518,30 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         }
     }
 
+    /// Kept prompts share the KV pool with the sequences and give way to them: the least
+    /// recently used are freed until the first request in line fits.
+    fn make_room(&mut self, waiting: &[Waiting], running: &[Running]) {
+        let kept = self.prefixes.positions();
+        let lack = kept_to_free(waiting, running, kept, &self.config.limits);
+        while kept - self.prefixes.positions() < lack {
+            let Some(seq) = self.prefixes.evict_oldest() else {
+                break;
+            };
+            if let Err(e) = self.model.release(seq) {
+                tracing::warn!(error = %e, "cannot free a kept prefix");
+            }
+        }
+    }
+
     fn admit(&mut self) {
         let waiting: Vec<Waiting> = self.waiting.iter().map(Seq::waiting).collect();
         let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
-        for _ in admit(&waiting, &running, &self.config.limits) {
+        self.make_room(&waiting, &running);
+        let mut limits = self.config.limits;
+        limits.kv_positions = limits
+            .kv_positions
+            .saturating_sub(self.prefixes.positions());
+        for _ in admit(&waiting, &running, &limits) {
             if let Some(mut s) = self.waiting.pop_front() {
                 s.admitted = Some(Instant::now());
                 self.start_from_prefix(&mut s);
@@ -537,7 +579,11 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
         let decoding = running.iter().filter(|r| r.decoding()).count();
         let limits = &self.config.limits;
-        let budget = prompt_budget(&self.costs, decoding, self.config.gap_bound, limits);
+        let bounds = StepBounds {
+            gap: self.config.gap_bound,
+            ms: self.config.step_ms,
+        };
+        let budget = prompt_budget(&self.costs, decoding, bounds, limits);
         let work = next_step(&running, limits, budget);
         if work.is_empty() {
             return Ok(false);
@@ -636,7 +682,14 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             let why = s.decoder.finished().unwrap_or(FinishReason::Length);
             let done = s.finish(why, self.send);
             (self.send)(done);
-            let budget = self.config.prefix_positions;
+            // Kept prompts take what the pool has beyond the running sequences.
+            let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
+            let free = self
+                .config
+                .limits
+                .kv_positions
+                .saturating_sub(reserved(&running));
+            let budget = self.config.prefix_positions.min(free);
             for seq in self.prefixes.keep(s.seq, s.prompt, budget) {
                 self.model.release(seq)?;
             }

@@ -50,11 +50,10 @@ impl Model {
         let mut masks = Vec::with_capacity(parts.len());
         for (p, &pos) in parts.iter().zip(&starts) {
             if pos + p.rows > self.max_len {
-                return Err(ModelError::Invalid(format!(
-                    "sequence of {} positions exceeds the context of {}",
-                    pos + p.rows,
-                    self.max_len
-                )));
+                return Err(ModelError::ContextFull {
+                    positions: pos + p.rows,
+                    context: self.max_len,
+                });
             }
             masks.push(causal_mask(
                 p.rows,
@@ -63,14 +62,14 @@ impl Model {
                 &self.compute,
             )?);
         }
-        // Prompt rows (parts of two rows or more) take the kernels' bf16 tiles, decode
-        // rows the 8-bit paths, however many of each are together: every row is
+        // Prompt rows (parts of two rows or more) take the kernels' prompt paths, decode
+        // rows the single-token ones, however many of each are together: every row is
         // computed as it would be alone (see `Model::forward_layers_with`). A batch with
-        // both runs as two groups, the same way on every rank, on a machine with bf16
-        // tiles; elsewhere the 8-bit batch products equal the single-token ones and one
-        // pass serves all.
+        // both runs as two groups, the same way on every rank, on a machine whose two
+        // paths round otherwise (AVX2, AMX); elsewhere one pass serves all. (The
+        // scheduler never slices a prompt into a lone row.)
         let long = |p: &BatchPart<'_>| p.rows >= 2;
-        let mixed = shoal_kernels::Isa::detect() == shoal_kernels::Isa::Amx
+        let mixed = !shoal_kernels::Isa::detect().rows_round_alike()
             && parts.iter().any(long)
             && !parts.iter().all(long);
         let x = if mixed {
@@ -106,8 +105,8 @@ impl Model {
         Ok(x)
     }
 
-    /// The decode rows as one batch (8-bit paths), then the prompt rows (bf16 tiles),
-    /// the outputs put back in the parts' row order.
+    /// The decode rows as one batch (single-token paths), then the prompt rows, the
+    /// outputs put back in the parts' row order.
     fn forward_groups(
         &self,
         hidden: Tensor,

@@ -181,11 +181,10 @@ impl Model {
             )));
         }
         if start + total > self.max_len {
-            return Err(ModelError::Invalid(format!(
-                "sequence of {} positions exceeds the context of {}",
-                start + total,
-                self.max_len
-            )));
+            return Err(ModelError::ContextFull {
+                positions: start + total,
+                context: self.max_len,
+            });
         }
         let mut x = hidden;
         for layer in &self.layers {

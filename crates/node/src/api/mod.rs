@@ -182,6 +182,7 @@ pub async fn serve(
         })
         .layer(axum::extract::DefaultBodyLimit::max(BODY_LIMIT))
         .layer(axum::middleware::map_response(close_after_unread_body))
+        .layer(axum::middleware::map_response(retry_after_when_unavailable))
         .layer(axum::middleware::from_fn_with_state(key, authorize));
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
@@ -196,6 +197,21 @@ async fn health() -> Json<Value> {
 
 fn error(code: StatusCode, msg: impl Into<String>) -> Response {
     (code, Json(json!({ "error": msg.into() }))).into_response()
+}
+
+/// A client told "unavailable" (no ready instance yet, the model being placed, the node
+/// stopping) is told when to ask again, so that clients which honour it back off for a
+/// second instead of giving up or asking again at once.
+async fn retry_after_when_unavailable(mut r: Response) -> Response {
+    if r.status() == StatusCode::SERVICE_UNAVAILABLE
+        && !r.headers().contains_key(header::RETRY_AFTER)
+    {
+        r.headers_mut().insert(
+            header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
+    }
+    r
 }
 
 /// A body refused for its size is left unread, so the connection cannot carry another

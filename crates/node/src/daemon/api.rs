@@ -42,9 +42,13 @@ impl Daemon {
         })
     }
 
-    /// Placement's estimate of the bytes each rank of `i` holds (empty for a model
+    /// Placement's estimate of the bytes each rank of `i` holds: as counted when it was
+    /// placed, or for a state from before that, at one context (empty for a model
     /// without a card).
     fn instance_memory(i: &Instance) -> Vec<u64> {
+        if !i.memory.is_empty() {
+            return i.memory.clone();
+        }
         Self::facts(&i.model)
             .ok()
             .and_then(|(facts, _)| {
@@ -54,6 +58,7 @@ impl Daemon {
                     i.ranks.len(),
                     i.context,
                     PREFILL_CHUNK,
+                    i.context,
                 )
                 .ok()
             })
@@ -74,13 +79,14 @@ impl Daemon {
                 if_absent,
                 reply,
             } => {
-                let req = match Self::request(&model, strategy, nodes, context) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                        return;
-                    }
-                };
+                let req =
+                    match Self::request(&model, strategy, nodes, context, self.config.max_batch) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                            return;
+                        }
+                    };
                 if preview {
                     let r = place(&self.state, &req)
                         .map_err(|r| r.0)

@@ -191,6 +191,7 @@ impl Daemon {
         strategy: Option<shoal_cluster::Strategy>,
         nodes: Option<usize>,
         context: Option<usize>,
+        batch: usize,
     ) -> Result<PlaceRequest, String> {
         let (facts, card) = Self::facts(model)?;
         Ok(PlaceRequest {
@@ -199,6 +200,7 @@ impl Daemon {
             nodes,
             context: context.unwrap_or((card.context_length as usize).min(2048)),
             chunk: PREFILL_CHUNK,
+            batch,
         })
     }
 
@@ -211,14 +213,15 @@ impl Daemon {
         context: Option<usize>,
         attempt: u32,
     ) -> Result<Instance, String> {
-        let req = Self::request(model, strategy, nodes, context)?;
+        let req = Self::request(model, strategy, nodes, context, self.config.max_batch)?;
         // A model no node has is pulled by the node of its first rank (the worker's plan).
         let plans = place(&self.state, &req).map_err(|r| r.0)?;
         let Plan {
             strategy,
             nodes,
             gpus,
-            ..
+            memory,
+            kv_positions,
         } = plans.into_iter().next().ok_or("no plan")?;
         let id = format!("{model}-{}", self.state.index + 1);
         let instance = Instance {
@@ -239,6 +242,8 @@ impl Daemon {
             token: crate::keys::new_cluster_key().map_err(|e| e.to_string())?,
             status: InstanceStatus::Starting,
             attempt,
+            kv_positions,
+            memory,
         };
         // A fresh placement clears an earlier instance of the model that failed for good.
         let given_up: Vec<String> = self

@@ -257,6 +257,7 @@ impl Daemon {
             exe: self.config.exe.clone(),
             threads: self.config.runner_threads,
             max_batch: self.config.max_batch,
+            kv_positions: inst.kv_positions,
             gap_bound: self.config.gap_bound,
             socket_dir: self.config.data_dir.join("runners"),
             stall_timeout: self.config.stall_timeout,

@@ -1,0 +1,648 @@
+// One token's decode step on an NVIDIA GPU, as few kernels as the step needs, each
+// reading its dynamic inputs (the position) from device memory so that the whole step
+// can be captured once as a CUDA graph and replayed (transformer/gpu_decode.rs).
+//
+// Activations are f32 (one row: cheap to keep exact); weights are bf16 rows or GGUF
+// blocks (Q8_0, Q4_K, Q6_K) read directly; the KV cache is bf16 in the layout candle's
+// path keeps, (kv_heads, capacity, head_dim) per layer, so both paths share one cache.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+
+#define WARP 32
+#define MAX_GROUP 8   // query heads per KV head the attention kernel holds in registers
+#define MAX_LANE 4    // head_dim / 32 values per lane (head_dim <= 128)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+
+// Sum over a block of up to 1024 threads; every thread gets the total.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    v = warp_sum(v);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        const int warps = (blockDim.x + WARP - 1) / WARP;
+        float s = lane < warps ? partial[lane] : 0.f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+// Lane i of a warp holds value i of 8-bit block b (32 values): writes the block's int8
+// values to q and (scale, scale * sum of the int8 values) to qd[b].
+__device__ __forceinline__ void quantize_warp(float v, int b, int8_t* __restrict__ q,
+                                              float2* __restrict__ qd) {
+    const int lane = threadIdx.x % WARP;
+    const float amax = warp_max(fabsf(v));
+    const float d = amax / 127.f;
+    const int8_t qi = d == 0.f ? 0 : (int8_t)__float2int_rn(v / d);
+    q[b * 32 + lane] = qi;
+    const float s = warp_sum((float)qi);
+    if (lane == 0) qd[b] = make_float2(d, s * d);
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm of one row: out = x / rms(x) * w. One block. Also writes the row quantized to
+// 8 bits in blocks of 32 (scale, sum) for the quantized mat-vecs when `q` is not null.
+extern "C" __global__ void shoal_rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
+                                         float* __restrict__ out, int n, float eps,
+                                         int8_t* __restrict__ q, float2* __restrict__ qd) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss);
+    const float inv = rsqrtf(ss / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = x[i] * inv * __bfloat162float(w[i]);
+    if (q == nullptr) return;
+    __syncthreads();
+    // One warp per block of 32: lane i holds element i.
+    const int lane = threadIdx.x % WARP;
+    for (int b = threadIdx.x / WARP; b < n / 32; b += blockDim.x / WARP)
+        quantize_warp(out[b * 32 + lane], b, q, qd);
+}
+
+// The same 8-bit blocks of any row (the attention output, the FFN's product).
+extern "C" __global__ void shoal_quantize_q8(const float* __restrict__ x, int n,
+                                             int8_t* __restrict__ q, float2* __restrict__ qd) {
+    const int lane = threadIdx.x % WARP;
+    const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (b >= n / 32) return;
+    quantize_warp(x[b * 32 + lane], b, q, qd);
+}
+
+// ---------------------------------------------------------------------------------------
+// Mat-vec, bf16 rows. One warp per output row; each lane reads 16 bytes at a time.
+// `k` is a multiple of 8. Up to three matrices stacked as one (q, k, v): row r of the
+// output is row r of the first, then of the second, then of the third.
+
+__device__ __forceinline__ float dot8(uint4 w, const float* __restrict__ x) {
+    const float4 a = *reinterpret_cast<const float4*>(x);
+    const float4 b = *reinterpret_cast<const float4*>(x + 4);
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
+    const float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
+    return w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x + w2.y * b.y +
+           w3.x * b.z + w3.y * b.w;
+}
+
+// A block's warps in groups of `split` per output row: warp j of a group takes every
+// split-th 8-wide piece of the row from the j-th, and the group adds its sums in shared
+// memory. Long rows over few outputs (the down projection) then still fill the GPU.
+struct RowSlot {
+    int row;    // the output row, or -1 past the end
+    int part;   // this warp's index within its row's group
+};
+
+__device__ __forceinline__ RowSlot row_slot(int split) {
+    const int warp = threadIdx.x / WARP;
+    const int rows_per_block = (blockDim.x / WARP) / split;
+    return {(int)blockIdx.x * rows_per_block + warp / split, warp % split};
+}
+
+// Adds the partials (a, b, c) of every warp of a row's group; the group's first warp gets
+// the totals. Every thread of the block must call it.
+__device__ __forceinline__ float3 group_sum(float a, float b, float c, int split) {
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+    if (split == 1) return make_float3(a, b, c);
+    __shared__ float3 parts[32];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (lane == 0) parts[warp] = make_float3(a, b, c);
+    __syncthreads();
+    float3 t = make_float3(0.f, 0.f, 0.f);
+    if (warp % split == 0)
+        for (int j = 0; j < split; j++) {
+            t.x += parts[warp + j].x;
+            t.y += parts[warp + j].y;
+            t.z += parts[warp + j].z;
+        }
+    return t;
+}
+
+// The row's dot product with x (times the norm's weights where `norm_w` is given) and the
+// sum of squares of the x it saw (for the RMSNorm folded into the product).
+__device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
+                                             const float* __restrict__ x,
+                                             const bf16* __restrict__ norm_w, int k,
+                                             int part, int split, float* dot, float* ss) {
+    const uint4* w = reinterpret_cast<const uint4*>(row);
+    const int lane = threadIdx.x % WARP;
+    float acc = 0.f, sq = 0.f;
+    const int n8 = k / 8;
+    if (norm_w == nullptr) {
+#pragma unroll 4
+        for (int i = lane + WARP * part; i < n8; i += WARP * split)
+            acc += dot8(__ldg(w + i), x + 8 * i);
+    } else {
+        const uint4* nw = reinterpret_cast<const uint4*>(norm_w);
+#pragma unroll 4
+        for (int i = lane + WARP * part; i < n8; i += WARP * split) {
+            float xs[8];
+            const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
+            const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
+            xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
+            xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
+            const uint4 n = __ldg(nw + i);
+            const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = __bfloat1622float2(np[e]);
+                sq += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
+                xs[2 * e] *= f.x;
+                xs[2 * e + 1] *= f.y;
+            }
+            const uint4 wv = __ldg(w + i);
+            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = __bfloat1622float2(p[e]);
+                acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
+            }
+        }
+    }
+    *dot = acc;
+    *ss = sq;
+}
+
+struct Segments {
+    const bf16* w[3];
+    const bf16* bias[3];
+    int rows[3];
+};
+
+// Which of up to three stacked matrices output row r falls in, and its row there.
+__device__ __forceinline__ int segment(const int rows[3], int* r) {
+    if (*r < rows[0]) return 0;
+    *r -= rows[0];
+    if (*r < rows[1]) return 1;
+    *r -= rows[1];
+    if (*r < rows[2]) return 2;
+    return 3;
+}
+
+// y = [W0; W1; W2] norm(x) (+ bias) (+ residual), norm(x) = x / rms(x) * norm_w where
+// norm_w is given, else x.
+extern "C" __global__ void shoal_matvec_bf16(Segments seg, const float* __restrict__ x,
+                                             const bf16* __restrict__ norm_w, float eps,
+                                             const float* __restrict__ residual,
+                                             float* __restrict__ y, int k, int split) {
+    const RowSlot slot = row_slot(split);
+    int r = slot.row;
+    const int s = segment(seg.rows, &r);
+    float dot = 0.f, ss = 0.f;
+    // Picked without indexing the parameter arrays (which would copy them to local memory).
+    const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
+    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
+    if (s < 3) row_dot_bf16(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
+    const float3 t = group_sum(dot, ss, 0.f, split);
+    if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
+        float v = t.x;
+        if (norm_w) v *= rsqrtf(t.y / k + eps);
+        if (bias) v += __bfloat162float(bias[r]);
+        if (residual) v += residual[slot.row];
+        y[slot.row] = v;
+    }
+}
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
+// y[r] = silu(gate_r . norm(x)) * (up_r . norm(x))
+extern "C" __global__ void shoal_gate_up_bf16(const bf16* __restrict__ gate,
+                                              const bf16* __restrict__ up,
+                                              const float* __restrict__ x,
+                                              const bf16* __restrict__ norm_w, float eps,
+                                              float* __restrict__ y, int rows, int k,
+                                              int split) {
+    const RowSlot slot = row_slot(split);
+    const int r = slot.row;
+    float g = 0.f, u = 0.f, ss = 0.f;
+    if (r < rows) {
+        row_dot_bf16(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g, &ss);
+        row_dot_bf16(up + (size_t)r * k, x, norm_w, k, slot.part, split, &u, &ss);
+    }
+    // Both products saw the same x: `ss` holds its sum of squares once.
+    const float3 t = group_sum(g, u, ss, split);
+    if (r < rows && slot.part == 0 && threadIdx.x % WARP == 0) {
+        const float inv = norm_w ? rsqrtf(t.z / k + eps) : 1.f;
+        y[r] = silu(t.x * inv) * (t.y * inv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Quantized mat-vecs against the 8-bit row (xq, per-32 (scale, scale * sum)).
+// Q8_0: 34 bytes per 32 weights: f16 scale, 32 int8.
+
+__device__ __forceinline__ int dp4a(int a, int b, int c) { return __dp4a(a, b, c); }
+
+__device__ __forceinline__ int load_i32_unaligned(const uint8_t* p) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    return (int)h[0] | ((int)h[1] << 16);
+}
+
+__device__ __forceinline__ float dot_q8_0(const uint8_t* __restrict__ row, int blocks,
+                                          const int8_t* __restrict__ xq,
+                                          const float2* __restrict__ xd, int part,
+                                          int split) {
+    const int lane = threadIdx.x % WARP;
+    float acc = 0.f;
+    // Four lanes per block, 8 weights each.
+    for (int b = lane / 4 + (WARP / 4) * part; b < blocks; b += (WARP / 4) * split) {
+        const uint8_t* blk = row + (size_t)b * 34;
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+        const int part = lane % 4;
+        const int* xi = reinterpret_cast<const int*>(xq + b * 32 + part * 8);
+        int s = dp4a(load_i32_unaligned(blk + 2 + part * 8), xi[0], 0);
+        s = dp4a(load_i32_unaligned(blk + 2 + part * 8 + 4), xi[1], s);
+        acc += d * xd[b].x * (float)s;
+    }
+    return acc;
+}
+
+// Q4_K: 144 bytes per 256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins
+// for 8 sub-blocks of 32, 128 bytes of 4-bit weights (sub-blocks 2j and 2j+1 share 32
+// bytes: low nibbles, then high).
+__device__ __forceinline__ void q4k_scale_min(int j, const uint8_t* q, int* sc, int* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+__device__ __forceinline__ float dot_q4k(const uint8_t* __restrict__ row, int blocks,
+                                         const int8_t* __restrict__ xq,
+                                         const float2* __restrict__ xd, int part, int split) {
+    const int lane = threadIdx.x % WARP;
+    float acc = 0.f;
+    // 16 lanes per block of 256: lane l takes sub-block pair (l/4), 8 bytes (16 weights:
+    // 8 of the low sub-block, 8 of the high) at byte offset (l%4)*8 within the pair's 32.
+    const int l = lane % 16;
+    const int pair = l / 4, off = (l % 4) * 8;
+    for (int b = lane / 16 + 2 * part; b < blocks; b += 2 * split) {
+        const uint8_t* blk = row + (size_t)b * 144;
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk));
+        const float dmin = __half2float(*reinterpret_cast<const __half*>(blk + 2));
+        const uint8_t* scales = blk + 4;
+        const int* qs = reinterpret_cast<const int*>(blk + 16 + pair * 32 + off);
+        const int lo_sub = 2 * pair, hi_sub = 2 * pair + 1;
+        int sc_lo, m_lo, sc_hi, m_hi;
+        q4k_scale_min(lo_sub, scales, &sc_lo, &m_lo);
+        q4k_scale_min(hi_sub, scales, &sc_hi, &m_hi);
+        const int base = b * 256;
+        const int* x_lo = reinterpret_cast<const int*>(xq + base + lo_sub * 32 + off);
+        const int* x_hi = reinterpret_cast<const int*>(xq + base + hi_sub * 32 + off);
+        int s_lo = 0, s_hi = 0;
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int w = qs[i];
+            s_lo = dp4a(w & 0x0F0F0F0F, x_lo[i], s_lo);
+            s_hi = dp4a((w >> 4) & 0x0F0F0F0F, x_hi[i], s_hi);
+        }
+        const float2 dl = xd[(base + lo_sub * 32) / 32];
+        const float2 dh = xd[(base + hi_sub * 32) / 32];
+        // The min term covers the whole sub-block: only one lane of the four adds it.
+        float v = d * (sc_lo * dl.x * s_lo + sc_hi * dh.x * s_hi);
+        if (l % 4 == 0) v -= dmin * (m_lo * dl.y + m_hi * dh.y);
+        acc += v;
+    }
+    return acc;
+}
+
+// Q6_K: 210 bytes per 256 weights: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
+// scales (one per 16 weights), f16 d. Weight = d * scale * (q - 32).
+__device__ __forceinline__ float dot_q6k(const uint8_t* __restrict__ row, int blocks,
+                                         const int8_t* __restrict__ xq,
+                                         const float2* __restrict__ xd, int part, int split) {
+    const int lane = threadIdx.x % WARP;
+    float acc = 0.f;
+    // 32 lanes per block: each lane takes 8 weights (two groups of 4 adjacent bytes).
+    // Layout per half (128 weights): ql[64], qh[32]; weight i of the half (0..127):
+    //   l = i % 32, group = i / 32: ql byte = l + (group & 1) * 32, nibble = group >> 1,
+    //   qh byte = l, bits = 2 * group.
+    for (int b = part; b < blocks; b += split) {
+        const uint8_t* blk = row + (size_t)b * 210;
+        const uint8_t* ql = blk;
+        const uint8_t* qh = blk + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        const float d = __half2float(*reinterpret_cast<const __half*>(blk + 208));
+        const int half = lane / 16;           // which 128
+        const int group = (lane % 16) / 4;    // which 32 of the half
+        const int l0 = (lane % 4) * 8;        // 8 weights from l0
+        const uint8_t* qlp = ql + half * 64 + (group & 1) * 32 + l0;
+        const uint8_t* qhp = qh + half * 32 + l0;
+        const int shift_l = (group >> 1) * 4, shift_h = 2 * group;
+        const int wi = half * 128 + group * 32 + l0;  // index within the block
+        int s[2] = {0, 0};
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int w = 0;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int lo = (qlp[i * 4 + j] >> shift_l) & 0xF;
+                const int hi = (qhp[i * 4 + j] >> shift_h) & 0x3;
+                w |= (((lo | (hi << 4)) - 32) & 0xFF) << (8 * j);
+            }
+            const int xv = *reinterpret_cast<const int*>(xq + b * 256 + wi + i * 4);
+            s[i] = dp4a(w, xv, 0);
+        }
+        // 8 weights span one scale (16 weights share a scale).
+        const int scale = sc[wi / 16];
+        const float2 dx = xd[(b * 256 + wi) / 32];
+        acc += d * scale * dx.x * (float)(s[0] + s[1]);
+    }
+    return acc;
+}
+
+// Which GGUF block type a quantized matrix holds (matches gpu_decode.rs's QuantKind).
+#define KIND_Q8_0 0
+#define KIND_Q4K 1
+#define KIND_Q6K 2
+
+// A lane's share of the row's dot product (the group's sum is the product).
+__device__ __forceinline__ float dot_quant(int kind, const uint8_t* row, int k,
+                                           const int8_t* xq, const float2* xd, int part,
+                                           int split) {
+    switch (kind) {
+        case KIND_Q8_0: return dot_q8_0(row, k / 32, xq, xd, part, split);
+        case KIND_Q4K: return dot_q4k(row, k / 256, xq, xd, part, split);
+        default: return dot_q6k(row, k / 256, xq, xd, part, split);
+    }
+}
+
+__device__ __forceinline__ size_t row_bytes(int kind, int k) {
+    switch (kind) {
+        case KIND_Q8_0: return (size_t)(k / 32) * 34;
+        case KIND_Q4K: return (size_t)(k / 256) * 144;
+        default: return (size_t)(k / 256) * 210;
+    }
+}
+
+struct QSegments {
+    const uint8_t* w[3];
+    const bf16* bias[3];
+    int rows[3];
+    int kind[3];
+};
+
+extern "C" __global__ void shoal_matvec_quant(QSegments seg, const int8_t* __restrict__ xq,
+                                              const float2* __restrict__ xd,
+                                              const float* __restrict__ residual,
+                                              float* __restrict__ y, int k, int split) {
+    const RowSlot slot = row_slot(split);
+    int r = slot.row;
+    const int s = segment(seg.rows, &r);
+    const uint8_t* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
+    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
+    const int kind = s == 0 ? seg.kind[0] : s == 1 ? seg.kind[1] : seg.kind[2];
+    float v = 0.f;
+    if (s < 3) v = dot_quant(kind, w + row_bytes(kind, k) * r, k, xq, xd, slot.part, split);
+    const float3 t = group_sum(v, 0.f, 0.f, split);
+    if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
+        float out = t.x;
+        if (bias) out += __bfloat162float(bias[r]);
+        if (residual) out += residual[slot.row];
+        y[slot.row] = out;
+    }
+}
+
+extern "C" __global__ void shoal_gate_up_quant(const uint8_t* __restrict__ gate,
+                                               const uint8_t* __restrict__ up, int kind_g,
+                                               int kind_u, const int8_t* __restrict__ xq,
+                                               const float2* __restrict__ xd,
+                                               float* __restrict__ y, int rows, int k,
+                                               int split) {
+    const RowSlot slot = row_slot(split);
+    const int r = slot.row;
+    float g = 0.f, u = 0.f;
+    if (r < rows) {
+        g = dot_quant(kind_g, gate + row_bytes(kind_g, k) * r, k, xq, xd, slot.part, split);
+        u = dot_quant(kind_u, up + row_bytes(kind_u, k) * r, k, xq, xd, slot.part, split);
+    }
+    const float3 t = group_sum(g, u, 0.f, split);
+    if (r < rows && slot.part == 0 && threadIdx.x % WARP == 0) y[r] = silu(t.x) * t.y;
+}
+
+// ---------------------------------------------------------------------------------------
+// Per-head norm (qwen3), rope and the KV append, for the token at *pos. One block per
+// head of q, k and v (in that order), head_dim threads. q is rotated in place; k and v
+// go to the cache as bf16.
+extern "C" __global__ void shoal_rope_append(float* __restrict__ qkv,
+                                             const bf16* __restrict__ q_norm,
+                                             const bf16* __restrict__ k_norm, float eps,
+                                             const float* __restrict__ inv_freq,
+                                             const int* __restrict__ pos_ptr,
+                                             bf16* __restrict__ k_cache,
+                                             bf16* __restrict__ v_cache, int nh, int nkv,
+                                             int hd, int cap, int interleaved) {
+    __shared__ float row[256];
+    const int head = blockIdx.x;
+    const int i = threadIdx.x;
+    const int pos = *pos_ptr;
+    float* src = qkv + (size_t)head * hd;
+    const bool is_q = head < nh, is_k = !is_q && head < nh + nkv;
+    float v = src[i];
+    if (!is_q && !is_k) {
+        const int h = head - nh - nkv;
+        v_cache[((size_t)h * cap + pos) * hd + i] = __float2bfloat16(v);
+        return;
+    }
+    const bf16* norm = is_q ? q_norm : k_norm;
+    if (norm != nullptr) {
+        const float ss = block_sum(v * v);
+        v = v * rsqrtf(ss / hd + eps) * __bfloat162float(norm[i]);
+    }
+    row[i] = v;
+    __syncthreads();
+    const int half = hd / 2;
+    int partner, f;
+    bool first;
+    if (interleaved) {
+        partner = i ^ 1;
+        f = i / 2;
+        first = (i & 1) == 0;
+    } else {
+        partner = i < half ? i + half : i - half;
+        f = i % half;
+        first = i < half;
+    }
+    const float angle = (float)pos * inv_freq[f];
+    float s, c;
+    sincosf(angle, &s, &c);
+    const float x0 = first ? v : row[partner];
+    const float x1 = first ? row[partner] : v;
+    const float out = first ? x0 * c - x1 * s : x0 * s + x1 * c;
+    if (is_q) {
+        src[i] = out;
+    } else {
+        const int h = head - nh;
+        k_cache[((size_t)h * cap + pos) * hd + i] = __float2bfloat16(out);
+    }
+}
+
+// Positions per attention split: the context spread over the splits, but at least 32 a
+// split, so a short context uses few splits (and the merge reads few partials).
+__device__ __forceinline__ int attn_chunk(int len, int splits) {
+    return max(32, (len + splits - 1) / splits);
+}
+
+// A lane's `n` (1, 2 or 4) consecutive bf16 values of a key or value row, in one load.
+__device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LANE]) {
+#pragma unroll
+    for (int e = 0; e < MAX_LANE; e++) out[e] = 0.f;
+    if (n == 4) {
+        const uint2 u = *reinterpret_cast<const uint2*>(p);
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+        const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+        out[0] = a.x;
+        out[1] = a.y;
+        out[2] = b.x;
+        out[3] = b.y;
+    } else if (n == 2) {
+        const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+        out[0] = a.x;
+        out[1] = a.y;
+    } else {
+        out[0] = __bfloat162float(*p);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention of one token over the cache, flash-decoding style: block (kv head, split)
+// takes a contiguous run of the *pos + 1 positions for all query heads of its group and
+// writes an unnormalized partial (max, sum, weighted values); shoal_attn_merge merges
+// them. 4 warps per block; a warp takes one key at a time.
+extern "C" __global__ void shoal_attention(const float* __restrict__ q,
+                                           const bf16* __restrict__ k_cache,
+                                           const bf16* __restrict__ v_cache,
+                                           const int* __restrict__ pos_ptr,
+                                           float* __restrict__ part_acc,
+                                           float2* __restrict__ part_ml, int group, int hd,
+                                           int cap, float scale) {
+    const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+    const int len = *pos_ptr + 1;
+    const int chunk = attn_chunk(len, splits);
+    const int start = split * chunk, end = min(len, start + chunk);
+    if (start >= len) return;  // past the active splits: the merge does not read it
+    const int per_lane = hd / WARP;
+
+    float qr[MAX_GROUP][MAX_LANE];
+    float acc[MAX_GROUP][MAX_LANE];
+    float m[MAX_GROUP], l[MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+#pragma unroll
+        for (int e = 0; e < MAX_LANE; e++) {
+            acc[g][e] = 0.f;
+            qr[g][e] = (g < group && e < per_lane)
+                           ? q[(size_t)(kvh * group + g) * hd + lane * per_lane + e] * scale
+                           : 0.f;
+        }
+    }
+    const bf16* kb = k_cache + (size_t)kvh * cap * hd + lane * per_lane;
+    const bf16* vb = v_cache + (size_t)kvh * cap * hd + lane * per_lane;
+    for (int j = start + warp; j < end; j += warps) {
+        float kv[MAX_LANE], vv[MAX_LANE];
+        load_lane(kb + (size_t)j * hd, per_lane, kv);
+        load_lane(vb + (size_t)j * hd, per_lane, vv);
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; g++) {
+            if (g >= group) break;
+            float s = 0.f;
+#pragma unroll
+            for (int e = 0; e < MAX_LANE; e++) s += qr[g][e] * kv[e];
+            s = warp_sum(s);
+            const float mn = fmaxf(m[g], s);
+            const float corr = __expf(m[g] - mn);
+            const float p = __expf(s - mn);
+            l[g] = l[g] * corr + p;
+#pragma unroll
+            for (int e = 0; e < MAX_LANE; e++) acc[g][e] = acc[g][e] * corr + p * vv[e];
+            m[g] = mn;
+        }
+    }
+    // Merge the warps: shared (warps, group, hd) values and (warps, group) max/sum.
+    extern __shared__ float shm[];
+    float* sacc = shm;                                 // warps * group * hd
+    float* sm = shm + warps * group * hd;              // warps * group
+    float* sl = sm + warps * group;                    // warps * group
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++) {
+        if (g >= group) break;
+#pragma unroll
+        for (int e = 0; e < MAX_LANE; e++)
+            if (e < per_lane) sacc[(warp * group + g) * hd + lane * per_lane + e] = acc[g][e];
+        if (lane == 0) {
+            sm[warp * group + g] = m[g];
+            sl[warp * group + g] = l[g];
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * hd; idx += blockDim.x) {
+        const int g = idx / hd, d = idx % hd;
+        float mx = -INFINITY;
+        for (int w = 0; w < warps; w++) mx = fmaxf(mx, sm[w * group + g]);
+        float a = 0.f, ls = 0.f;
+        if (mx != -INFINITY) {
+            for (int w = 0; w < warps; w++) {
+                const float c = __expf(sm[w * group + g] - mx);
+                a += sacc[(w * group + g) * hd + d] * c;
+                ls += sl[w * group + g] * c;
+            }
+        }
+        const int qh = kvh * group + g;
+        part_acc[((size_t)qh * splits + split) * hd + d] = a;
+        if (d == 0) part_ml[qh * splits + split] = make_float2(mx, ls);
+    }
+}
+
+// out[h] = the active splits' partials of query head h merged and normalized, and, where
+// `xq` is given, the same row quantized to 8 bits for a quantized output projection (a
+// warp's 32 values are consecutive values of one head: hd % 32 == 0). One block per
+// query head, head_dim threads.
+extern "C" __global__ void shoal_attn_merge(const float* __restrict__ part_acc,
+                                            const float2* __restrict__ part_ml,
+                                            const int* __restrict__ pos_ptr,
+                                            float* __restrict__ out, int8_t* __restrict__ xq,
+                                            float2* __restrict__ xd, int splits, int hd) {
+    const int h = blockIdx.x, d = threadIdx.x;
+    const int len = *pos_ptr + 1;
+    const int active = (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
+    float mx = -INFINITY;
+    for (int s = 0; s < active; s++) mx = fmaxf(mx, part_ml[h * splits + s].x);
+    float a = 0.f, ls = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < active; s++) {
+        const float2 ml = part_ml[h * splits + s];
+        const float c = ml.x == -INFINITY ? 0.f : __expf(ml.x - mx);
+        a += part_acc[((size_t)h * splits + s) * hd + d] * c;
+        ls += ml.y * c;
+    }
+    const float v = a / ls;
+    const int o = h * hd + d;
+    out[o] = v;
+    if (xq != nullptr) quantize_warp(v, o / 32, xq, xd);
+}
+

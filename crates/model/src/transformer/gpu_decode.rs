@@ -1,0 +1,694 @@
+//! One token's decode step on a CUDA device without the host in the way.
+//!
+//! candle's path launches ~28 small operations a layer, each costing host time larger than
+//! the weight reads it waits for. Here a whole step — every layer and the head — is a fixed
+//! sequence of shoal's own kernels (`decode.cu`: norm, stacked q/k/v mat-vec, rope with the
+//! KV append in place, flash-decoding attention, the output projection with its residual,
+//! gate/up with SiLU, the down projection), all of whose varying inputs (the position, the
+//! token's embedding row) sit in buffers the step owns. It is captured once per KV cache
+//! as a CUDA graph and replayed: one launch a token.
+//!
+//! Weights are read where candle's path keeps them (bf16 rows, or GGUF Q8_0 / Q4_K / Q6_K
+//! blocks against activations quantized to 8 bits on the GPU), and the KV cache is the
+//! same [`KvCache`] in the same layout, so prefill (candle) and decode (here) share it.
+//! A model this path does not cover (a tensor slice, a pipeline stage, another weight
+//! type, heads wider than 128) keeps candle's path; `SHOAL_GPU_DECODE=candle` forces it,
+//! and `SHOAL_CUDA_GRAPHS=0` launches the same kernels one by one (to compare).
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
+use candle_core::{DType, Device, Tensor};
+
+use crate::{KvCache, ModelError, QLinear, Result, RopeStyle};
+
+use super::{GpuDecode, Model, RmsNorm};
+
+mod weights;
+
+use weights::{Linear, linear, norm_ptr, tensor_ptr};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
+const MODULE: &str = "shoal_decode";
+/// Warps per block of the mat-vec kernels (one output row per warp).
+const MATVEC_WARPS: u32 = 4;
+/// Warps per block of the attention kernel.
+const ATTN_WARPS: u32 = 4;
+/// Graphs kept (one per KV cache the model decoded into lately).
+const GRAPHS_KEPT: usize = 4;
+
+fn gpu_err(e: impl std::fmt::Display) -> ModelError {
+    ModelError::Invalid(format!("GPU decode: {e}"))
+}
+
+struct Layer {
+    attn_norm: u64,
+    ffn_norm: u64,
+    q_norm: u64,
+    k_norm: u64,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// Up to three matrices stacked as one mat-vec (`decode.cu`'s `Segments`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Segments {
+    w: [u64; 3],
+    bias: [u64; 3],
+    rows: [i32; 3],
+}
+
+/// `decode.cu`'s `QSegments`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct QSegments {
+    w: [u64; 3],
+    bias: [u64; 3],
+    rows: [i32; 3],
+    kind: [i32; 3],
+}
+
+// SAFETY: plain `repr(C)` data of the layout the kernels declare, passed by value.
+unsafe impl DeviceRepr for Segments {}
+unsafe impl DeviceRepr for QSegments {}
+
+struct Kernels {
+    rmsnorm: CudaFunction,
+    quantize: CudaFunction,
+    matvec_bf16: CudaFunction,
+    matvec_quant: CudaFunction,
+    gate_up_bf16: CudaFunction,
+    gate_up_quant: CudaFunction,
+    rope_append: CudaFunction,
+    attention: CudaFunction,
+    attn_merge: CudaFunction,
+}
+
+impl Kernels {
+    fn load(device: &candle_core::CudaDevice) -> Result<Self> {
+        let f = |name: &str| -> Result<CudaFunction> {
+            Ok(device
+                .get_or_load_custom_func(name, MODULE, PTX)?
+                .into_cuda_function())
+        };
+        Ok(Self {
+            rmsnorm: f("shoal_rmsnorm")?,
+            quantize: f("shoal_quantize_q8")?,
+            matvec_bf16: f("shoal_matvec_bf16")?,
+            matvec_quant: f("shoal_matvec_quant")?,
+            gate_up_bf16: f("shoal_gate_up_bf16")?,
+            gate_up_quant: f("shoal_gate_up_quant")?,
+            rope_append: f("shoal_rope_append")?,
+            attention: f("shoal_attention")?,
+            attn_merge: f("shoal_attn_merge")?,
+        })
+    }
+}
+
+/// The buffers a step reads and writes; their addresses are baked into the graphs.
+struct Buffers {
+    /// The residual stream; the step's input (the token's embedding row) is copied here.
+    x: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    ff: CudaSlice<f32>,
+    xq: CudaSlice<i8>,
+    /// Per 32 values of `xq`: (scale, scale * sum of the 8-bit values).
+    xd: CudaSlice<f32>,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    pos: CudaSlice<i32>,
+    inv_freq: CudaSlice<f32>,
+    logits: Tensor,
+}
+
+/// The buffers' addresses, taken once: asking cudarc for an address while capturing
+/// would record its event bookkeeping into the graph.
+#[derive(Clone, Copy)]
+struct Ptrs {
+    x: u64,
+    h: u64,
+    qkv: u64,
+    attn: u64,
+    ff: u64,
+    xq: u64,
+    xd: u64,
+    part_acc: u64,
+    part_ml: u64,
+    pos: u64,
+    inv_freq: u64,
+    logits: u64,
+}
+
+impl Ptrs {
+    fn of(b: &Buffers, stream: &CudaStream) -> Result<Self> {
+        fn p<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+            s.device_ptr(stream).0
+        }
+        Ok(Self {
+            x: p(&b.x, stream),
+            h: p(&b.h, stream),
+            qkv: p(&b.qkv, stream),
+            attn: p(&b.attn, stream),
+            ff: p(&b.ff, stream),
+            xq: p(&b.xq, stream),
+            xd: p(&b.xd, stream),
+            part_acc: p(&b.part_acc, stream),
+            part_ml: p(&b.part_ml, stream),
+            pos: p(&b.pos, stream),
+            inv_freq: p(&b.inv_freq, stream),
+            logits: tensor_ptr(&b.logits, stream)?,
+        })
+    }
+}
+
+/// One KV cache as the kernels see it: every layer's key and value addresses and the
+/// positions each holds (the row stride). A graph replays against exactly one.
+#[derive(Clone, PartialEq, Eq)]
+struct CacheKey {
+    ptrs: Vec<u64>,
+    capacity: i32,
+}
+
+/// Everything a decode step needs, built once per model.
+pub(crate) struct DecodePlan {
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    layers: Vec<Layer>,
+    out_norm: u64,
+    head: Linear,
+    bufs: Buffers,
+    at: Ptrs,
+    hidden: i32,
+    ffn: i32,
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    splits: u32,
+    eps: f32,
+    interleaved: i32,
+    /// Warps per mat-vec row for every matrix (`SHOAL_GPU_SPLIT=1|2|4`), instead of the
+    /// rule by row count: for measuring the rule.
+    split: Option<i32>,
+    graphs: Vec<(CacheKey, CudaGraph)>,
+    _keep: Vec<Tensor>,
+}
+
+// SAFETY: the plan's graphs and buffers belong to one CUDA context and are only used
+// behind the model's mutex, one thread at a time.
+unsafe impl Send for DecodePlan {}
+
+/// The plan of a model, built on first use.
+#[derive(Default)]
+pub(crate) enum PlanState {
+    #[default]
+    Untried,
+    /// The model is not one this path covers (why, for the logs).
+    Unsupported(String),
+    Ready(Box<DecodePlan>),
+}
+
+impl std::fmt::Debug for PlanState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Untried => write!(f, "Untried"),
+            Self::Unsupported(why) => write!(f, "Unsupported({why})"),
+            Self::Ready(_) => write!(f, "Ready"),
+        }
+    }
+}
+
+fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+impl DecodePlan {
+    /// The plan for `model`, or why it does not apply.
+    pub(crate) fn build(model: &Model) -> std::result::Result<Self, String> {
+        let Device::Cuda(device) = &model.compute.device else {
+            return Err("not on a CUDA device".into());
+        };
+        let c = &model.config;
+        if model.spec.tensor.is_some() || !model.spec.embed || !model.spec.head {
+            return Err("only a whole model decodes on this path".into());
+        }
+        if model.spec.layers != (0..c.num_layers) {
+            return Err("only a whole model decodes on this path".into());
+        }
+        let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        if !hd.is_multiple_of(32) || hd > 128 || nkv == 0 || !nh.is_multiple_of(nkv) || nh / nkv > 8
+        {
+            return Err(format!("{nh} heads over {nkv} KV heads of {hd}"));
+        }
+        if model.compute.dtype != DType::BF16 {
+            return Err("the cache is not bf16".into());
+        }
+        // The 8-bit rows come in blocks of 32.
+        if !c.hidden_size.is_multiple_of(32) || !c.ffn_size.is_multiple_of(32) {
+            return Err("hidden or FFN width not a multiple of 32".into());
+        }
+        let stream = device.cuda_stream();
+        let s = stream.as_ref();
+        let mut keep = Vec::new();
+        let mut layers = Vec::with_capacity(model.layers.len());
+        let unsupported = |what: &str| format!("{what}: a weight type the kernels do not read");
+        for l in &model.layers {
+            let mut lin = |q: &QLinear, what: &str| -> std::result::Result<Linear, String> {
+                linear(q, s, &mut keep).ok_or_else(|| unsupported(what))
+            };
+            let q = lin(&l.attn.q, "attn_q")?;
+            let k = lin(&l.attn.k, "attn_k")?;
+            let v = lin(&l.attn.v, "attn_v")?;
+            let o = lin(&l.attn.o, "attn_output")?;
+            let gate = lin(&l.gate, "ffn_gate")?;
+            let up = lin(&l.up, "ffn_up")?;
+            let down = lin(&l.down, "ffn_down")?;
+            if q.w.is_quant() != k.w.is_quant() || k.w.is_quant() != v.w.is_quant() {
+                return Err("q, k and v mix dense and quantized weights".into());
+            }
+            if gate.w.is_quant() != up.w.is_quant() {
+                return Err("gate and up mix dense and quantized weights".into());
+            }
+            let norm = |n: &RmsNorm| norm_ptr(n, s).ok_or_else(|| "a norm is not bf16".to_string());
+            let opt_norm = |n: &Option<RmsNorm>| match n {
+                Some(n) => norm(n),
+                None => Ok(0),
+            };
+            layers.push(Layer {
+                attn_norm: norm(&l.attn_norm)?,
+                ffn_norm: norm(&l.ffn_norm)?,
+                q_norm: opt_norm(&l.attn.q_norm)?,
+                k_norm: opt_norm(&l.attn.k_norm)?,
+                q,
+                k,
+                v,
+                o,
+                gate,
+                up,
+                down,
+            });
+        }
+        let head = model.head.as_ref().ok_or("no head")?;
+        let out_norm = norm_ptr(&head.norm, s).ok_or("the final norm is not bf16")?;
+        let head_linear =
+            linear(&head.output, s, &mut keep).ok_or_else(|| unsupported("output"))?;
+        let alloc_err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| e.to_string();
+        // Enough splits that the longest context fills the GPU; a short one uses only the
+        // first few (at least 32 positions a split).
+        let splits = model.max_len.div_ceil(64).clamp(1, 64);
+        let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / hd as f32))
+            .collect();
+        let mut inv = stream.alloc_zeros::<f32>(hd / 2).map_err(alloc_err)?;
+        stream.memcpy_htod(&inv_freq, &mut inv).map_err(alloc_err)?;
+        let logits = Tensor::zeros((1, c.vocab_size), DType::F32, &model.compute.device)
+            .map_err(|e| e.to_string())?;
+        let bufs = Buffers {
+            x: stream.alloc_zeros(c.hidden_size).map_err(alloc_err)?,
+            h: stream.alloc_zeros(c.hidden_size).map_err(alloc_err)?,
+            qkv: stream.alloc_zeros((nh + 2 * nkv) * hd).map_err(alloc_err)?,
+            attn: stream.alloc_zeros(nh * hd).map_err(alloc_err)?,
+            ff: stream.alloc_zeros(c.ffn_size).map_err(alloc_err)?,
+            xq: stream.alloc_zeros(widest).map_err(alloc_err)?,
+            xd: stream
+                .alloc_zeros(2 * widest.div_ceil(32))
+                .map_err(alloc_err)?,
+            part_acc: stream.alloc_zeros(nh * splits * hd).map_err(alloc_err)?,
+            part_ml: stream.alloc_zeros(2 * nh * splits).map_err(alloc_err)?,
+            pos: stream.alloc_zeros(1).map_err(alloc_err)?,
+            inv_freq: inv,
+            logits,
+        };
+        let kernels = Kernels::load(device).map_err(|e| e.to_string())?;
+        let at = Ptrs::of(&bufs, s).map_err(|e| e.to_string())?;
+        Ok(Self {
+            stream,
+            kernels,
+            layers,
+            out_norm,
+            head: head_linear,
+            bufs,
+            at,
+            hidden: c.hidden_size as i32,
+            ffn: c.ffn_size as i32,
+            nh: nh as i32,
+            nkv: nkv as i32,
+            hd: hd as i32,
+            splits: splits as u32,
+            eps: c.rms_eps,
+            interleaved: i32::from(c.rope_style == RopeStyle::Interleaved),
+            split: std::env::var("SHOAL_GPU_SPLIT")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|n| [1, 2, 4].contains(n)),
+            graphs: Vec::new(),
+            _keep: keep,
+        })
+    }
+
+    /// One token: its embedding row `x` at position `pos` through every layer (keys and
+    /// values appended to `cache`'s `layers`) and the head; the logits `(1, vocab)`.
+    pub(crate) fn step(
+        &mut self,
+        x: &[f32],
+        pos: usize,
+        layers: &[(Tensor, Tensor)],
+        graphs: bool,
+    ) -> Result<Tensor> {
+        let cache = CacheKey {
+            ptrs: layers
+                .iter()
+                .flat_map(|(k, v)| [tensor_ptr(k, &self.stream), tensor_ptr(v, &self.stream)])
+                .collect::<Result<_>>()?,
+            capacity: layers.first().map_or(Ok(0), |(k, _)| k.dim(1))? as i32,
+        };
+        self.stream
+            .memcpy_htod(x, &mut self.bufs.x)
+            .map_err(gpu_err)?;
+        self.stream
+            .memcpy_htod(&[pos as i32], &mut self.bufs.pos)
+            .map_err(gpu_err)?;
+        if !graphs {
+            self.record(&cache)?;
+            return Ok(self.bufs.logits.copy()?);
+        }
+        let at = match self.graphs.iter().position(|(k, _)| *k == cache) {
+            Some(i) => i,
+            None => {
+                let graph = self.capture(&cache)?;
+                if self.graphs.len() == GRAPHS_KEPT {
+                    self.graphs.remove(0);
+                }
+                self.graphs.push((cache, graph));
+                self.graphs.len() - 1
+            }
+        };
+        self.graphs[at].1.launch().map_err(gpu_err)?;
+        Ok(self.bufs.logits.copy()?)
+    }
+
+    fn capture(&self, cache: &CacheKey) -> Result<CudaGraph> {
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .map_err(gpu_err)?;
+        let recorded = self.record(cache);
+        let graph = self
+            .stream
+            .end_capture(CUgraphInstantiate_flags(0))
+            .map_err(gpu_err)?;
+        recorded?;
+        let graph = graph.ok_or_else(|| gpu_err("the capture recorded nothing"))?;
+        graph.upload().map_err(gpu_err)?;
+        tracing::debug!(
+            layers = self.layers.len(),
+            "captured the decode step as a CUDA graph"
+        );
+        Ok(graph)
+    }
+
+    /// Launches (or, while capturing, records) the whole step. A dense projection folds
+    /// the RMSNorm before it into its own kernel; a quantized one reads the normed row
+    /// quantized to 8 bits by the norm's kernel.
+    fn record(&self, cache: &CacheKey) -> Result<()> {
+        let Ptrs {
+            x,
+            h,
+            qkv,
+            attn,
+            ff,
+            ..
+        } = self.at;
+        for (i, l) in self.layers.iter().enumerate() {
+            let (kc, vc) = (cache.ptrs[2 * i], cache.ptrs[2 * i + 1]);
+            self.normed_matvec(&[&l.q, &l.k, &l.v], l.attn_norm, qkv)?;
+            self.rope_append(qkv, l.q_norm, l.k_norm, (kc, vc, cache.capacity))?;
+            self.attention(qkv, (kc, vc, cache.capacity), attn, l.o.w.is_quant())?;
+            self.matvec(&[&l.o], attn, 0, x, x)?;
+            if l.gate.w.is_quant() {
+                self.rmsnorm(x, l.ffn_norm, h)?;
+            }
+            self.gate_up(&l.gate, &l.up, l.ffn_norm, ff)?;
+            if l.down.w.is_quant() {
+                self.quantize(ff, self.ffn)?;
+            }
+            self.matvec(&[&l.down], ff, 0, x, x)?;
+        }
+        self.normed_matvec(&[&self.head], self.out_norm, self.at.logits)
+    }
+
+    /// `y = W norm(x)`: the norm in the mat-vec where W is dense, else before it.
+    fn normed_matvec(&self, ls: &[&Linear], norm: u64, y: u64) -> Result<()> {
+        if ls[0].w.is_quant() {
+            self.rmsnorm(self.at.x, norm, self.at.h)?;
+            self.matvec(ls, self.at.h, 0, 0, y)
+        } else {
+            self.matvec(ls, self.at.x, norm, 0, y)
+        }
+    }
+
+    fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            a.push(&mut builder);
+        }
+        // SAFETY: every argument matches the kernel's parameter list in `decode.cu`, and
+        // every address points into a buffer or tensor this plan holds.
+        unsafe { builder.launch(cfg) }.map_err(gpu_err)?;
+        Ok(())
+    }
+
+    /// RMSNorm of `x` into `out`, and quantized to 8 bits for the next mat-vec.
+    fn rmsnorm(&self, x: u64, w: u64, out: u64) -> Result<()> {
+        let n = self.hidden;
+        self.launch(
+            &self.kernels.rmsnorm,
+            cfg((1, 1), 1024, 0),
+            &[&x, &w, &out, &n, &self.eps, &self.at.xq, &self.at.xd],
+        )
+    }
+
+    fn quantize(&self, x: u64, n: i32) -> Result<()> {
+        let (q, qd) = (self.at.xq, self.at.xd);
+        let blocks = (n as u32).div_ceil(32);
+        self.launch(
+            &self.kernels.quantize,
+            cfg((blocks.div_ceil(8), 1), 256, 0),
+            &[&x, &n, &q, &qd],
+        )
+    }
+
+    /// `y = [W0; W1; W2] norm(x) (+ bias) (+ residual)`; a dense `x` is f32 (normed in the
+    /// kernel where `norm` is given), a quantized one the 8-bit row in `xq`.
+    fn matvec(&self, ls: &[&Linear], x: u64, norm: u64, residual: u64, y: u64) -> Result<()> {
+        let rows: i32 = ls.iter().map(|l| l.rows).sum();
+        let k = ls[0].k;
+        let split = self.split.unwrap_or_else(|| split_for(rows));
+        let grid = (rows as u32).div_ceil(MATVEC_WARPS / split as u32);
+        let block = MATVEC_WARPS * 32;
+        let mut w = [0u64; 3];
+        let mut bias = [0u64; 3];
+        let mut r = [0i32; 3];
+        let mut kind = [0i32; 3];
+        for (i, l) in ls.iter().enumerate() {
+            w[i] = l.w.ptr();
+            bias[i] = l.bias;
+            r[i] = l.rows;
+            kind[i] = l.w.kind();
+        }
+        if ls[0].w.is_quant() {
+            let seg = QSegments {
+                w,
+                bias,
+                rows: r,
+                kind,
+            };
+            let (xq, xd) = (self.at.xq, self.at.xd);
+            self.launch(
+                &self.kernels.matvec_quant,
+                cfg((grid, 1), block, 0),
+                &[&seg, &xq, &xd, &residual, &y, &k, &split],
+            )
+        } else {
+            let seg = Segments { w, bias, rows: r };
+            self.launch(
+                &self.kernels.matvec_bf16,
+                cfg((grid, 1), block, 0),
+                &[&seg, &x, &norm, &self.eps, &residual, &y, &k, &split],
+            )
+        }
+    }
+
+    /// `ff = silu(gate norm(x)) * (up norm(x))`.
+    fn gate_up(&self, gate: &Linear, up: &Linear, norm: u64, y: u64) -> Result<()> {
+        let (rows, k) = (gate.rows, gate.k);
+        let split = self.split.unwrap_or_else(|| split_for(rows));
+        let grid = (rows as u32).div_ceil(MATVEC_WARPS / split as u32);
+        let block = MATVEC_WARPS * 32;
+        if gate.w.is_quant() {
+            let (xq, xd) = (self.at.xq, self.at.xd);
+            let (g, u, kg, ku) = (gate.w.ptr(), up.w.ptr(), gate.w.kind(), up.w.kind());
+            self.launch(
+                &self.kernels.gate_up_quant,
+                cfg((grid, 1), block, 0),
+                &[&g, &u, &kg, &ku, &xq, &xd, &y, &rows, &k, &split],
+            )
+        } else {
+            let (g, u, x) = (gate.w.ptr(), up.w.ptr(), self.at.x);
+            self.launch(
+                &self.kernels.gate_up_bf16,
+                cfg((grid, 1), block, 0),
+                &[&g, &u, &x, &norm, &self.eps, &y, &rows, &k, &split],
+            )
+        }
+    }
+
+    /// `cache`: one layer's keys, values and capacity.
+    fn rope_append(
+        &self,
+        qkv: u64,
+        q_norm: u64,
+        k_norm: u64,
+        cache: (u64, u64, i32),
+    ) -> Result<()> {
+        let (kc, vc, cap) = cache;
+        let heads = (self.nh + 2 * self.nkv) as u32;
+        let (inv, pos) = (self.at.inv_freq, self.at.pos);
+        self.launch(
+            &self.kernels.rope_append,
+            cfg((heads, 1), self.hd as u32, 0),
+            &[
+                &qkv,
+                &q_norm,
+                &k_norm,
+                &self.eps,
+                &inv,
+                &pos,
+                &kc,
+                &vc,
+                &self.nh,
+                &self.nkv,
+                &self.hd,
+                &cap,
+                &self.interleaved,
+            ],
+        )
+    }
+
+    /// Attention of the rotated queries in `q` over the cache into `out` (and into the
+    /// 8-bit row where the output projection is quantized).
+    fn attention(&self, q: u64, cache: (u64, u64, i32), out: u64, quantize: bool) -> Result<()> {
+        let (kc, vc, cap) = cache;
+        let group = self.nh / self.nkv;
+        let scale = 1.0 / (self.hd as f32).sqrt();
+        let Ptrs {
+            part_acc,
+            part_ml,
+            pos,
+            ..
+        } = self.at;
+        let (xq, xd) = if quantize {
+            (self.at.xq, self.at.xd)
+        } else {
+            (0, 0)
+        };
+        let warps = ATTN_WARPS as i32;
+        let shared = (4 * (warps * group * self.hd + 2 * warps * group)) as u32;
+        self.launch(
+            &self.kernels.attention,
+            cfg((self.nkv as u32, self.splits), ATTN_WARPS * 32, shared),
+            &[
+                &q, &kc, &vc, &pos, &part_acc, &part_ml, &group, &self.hd, &cap, &scale,
+            ],
+        )?;
+        let splits = self.splits as i32;
+        self.launch(
+            &self.kernels.attn_merge,
+            cfg((self.nh as u32, 1), self.hd as u32, 0),
+            &[&part_acc, &part_ml, &pos, &out, &xq, &xd, &splits, &self.hd],
+        )
+    }
+}
+
+/// Warps that share one output row: enough warps in all to fill the GPU when a matrix has
+/// few, long rows. Measured on an H200: splitting the 1.5b shape's matrices (1536–2048
+/// rows) took it from 496 to 552 tok/s, splitting the 8B shape's (4096–6144 rows) as well
+/// took that from 199.8 to 187.5; so from 4096 rows a warp a row (the 8B figure at this
+/// rule is not measured yet).
+fn split_for(rows: i32) -> i32 {
+    match rows {
+        r if r < 2048 => 4,
+        r if r < 4096 => 2,
+        _ => 1,
+    }
+}
+
+/// A kernel argument of any of the types the kernels take.
+trait Arg {
+    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
+}
+
+impl<T: DeviceRepr> Arg for T {
+    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
+        builder.arg(self);
+    }
+}
+
+impl Model {
+    /// One token through the whole model on the GPU decode path, or `None` where the path
+    /// does not cover this model (candle's path then runs).
+    pub(super) fn gpu_decode(&self, token: u32, cache: &mut KvCache) -> Result<Option<Tensor>> {
+        if self.compute.device.is_cpu() || self.gpu_decode == GpuDecode::Candle {
+            return Ok(None);
+        }
+        let pos = cache.len();
+        if pos + 1 > self.max_len {
+            return Err(ModelError::ContextFull {
+                positions: pos + 1,
+                context: self.max_len,
+            });
+        }
+        let mut state = self
+            .gpu_plan
+            .lock()
+            .map_err(|_| gpu_err("the decode plan's lock was poisoned"))?;
+        if matches!(*state, PlanState::Untried) {
+            *state = match DecodePlan::build(self) {
+                Ok(plan) => PlanState::Ready(Box::new(plan)),
+                Err(why) => {
+                    tracing::info!(%why, "GPU decode path not used; candle's path decodes");
+                    PlanState::Unsupported(why)
+                }
+            };
+        }
+        let PlanState::Ready(plan) = &mut *state else {
+            return Ok(None);
+        };
+        let row = self.embed_host(&[token])?.flatten_all()?.to_vec1::<f32>()?;
+        let c = &self.config;
+        // The cache grows by doubling as candle's path grows it (a new graph each time),
+        // not to the whole context at once: a long context's cache would not fit beside
+        // the weights on a smaller GPU.
+        let layers = cache.decode_layers(c.num_kv_heads, c.head_dim, pos + 1)?;
+        let logits = plan.step(&row, pos, &layers, self.gpu_decode == GpuDecode::Graphs)?;
+        cache.advance(1);
+        Ok(Some(logits))
+    }
+}
