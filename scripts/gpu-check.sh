@@ -2,6 +2,7 @@
 # On the GPU machine (through the device tool): the GPU test and the benchmarks of
 # docs/GPU.md. Expects the carried, compressed binaries in gpu-bin/ (see docs/GPU.md for
 # how they are made) and writes results to $OUT.
+# KEEP=1 keeps each synthesized model in /tmp for the next mode of the same call.
 #   scripts/gpu-check.sh [test|bench|all]       one GPU
 #   scripts/gpu-check.sh decode [SHAPE:DTYPE...] one GPU: each row's decode under shoal's
 #       graph-captured kernels, the same kernels launched one by one, and candle's path
@@ -10,6 +11,11 @@
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md
+#   scripts/gpu-check.sh batch [SHAPE:DTYPE...] one GPU: generation of BATCHES (default
+#       "1 8 32") sequences decoding together (bench --local --batch), total tok/s:
+#       $OUT/batch.jsonl
+#   scripts/gpu-check.sh depth [SHAPE:DTYPE...] one GPU: generation after DEPTHS (default
+#       "0 512 2048 4096 8000") tokens of context (bench --local --depth): $OUT/depth.jsonl
 #   scripts/gpu-check.sh nccl [SHAPE DTYPE...]  several GPUs: the NCCL test, the
 #       all-reduce times, and for each SHAPE:DTYPE[:LAYERS] (default llama-8b:bf16
 #       llama-8b:q4k) the benchmark on 1, 2, 4, 8 GPUs as the machine has them.
@@ -62,7 +68,7 @@ if [ "$what" = nccl ]; then
         echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"layers\":\"${layers:-all}\",\"gpus\":$n,\"seconds\":$(( $(date +%s) - start )),\"bench\":${line:-null}}" | tee -a "$out/nccl-bench.jsonl"
         [ -n "$line" ] || tail -5 "$out/bench-err.txt"
       done
-      rm -f "$file"
+      [ -n "${KEEP:-}" ] || rm -f "$file"
     done
   done
 fi
@@ -72,7 +78,7 @@ if [ "$what" = decode ]; then
   for one in ${@:-qwen2.5-1.5b:bf16 qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
     IFS=: read -r shape dt <<<"$one"
     file=/tmp/$shape-$dt.gguf
-    /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
     for mode in ${MODES:-graphs eager candle}; do
       case $mode in
         graphs) env=() ;;
@@ -85,7 +91,39 @@ if [ "$what" = decode ]; then
       echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"decode\":\"$mode\",\"bench\":${line:-null}}" | tee -a "$out/decode.jsonl"
       [ -n "$line" ] || tail -5 "$out/decode-err.txt"
     done
-    rm -f "$file"
+    [ -n "${KEEP:-}" ] || rm -f "$file"
+  done
+fi
+if [ "$what" = batch ]; then
+  shift
+  unpack shoal
+  for one in ${@:-llama-8b:bf16}; do
+    IFS=: read -r shape dt <<<"$one"
+    file=/tmp/$shape-$dt.gguf
+    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    for b in ${BATCHES:-1 8 32}; do
+      line=$(/tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 --pp 0 \
+        --tg "${TG:-64}" -r 1 --batch "$b" --json 2>"$out/batch-err.txt" | tail -1)
+      echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"batch\":$b,\"bench\":${line:-null}}" | tee -a "$out/batch.jsonl"
+      [ -n "$line" ] || tail -5 "$out/batch-err.txt"
+    done
+    [ -n "${KEEP:-}" ] || rm -f "$file"
+  done
+fi
+if [ "$what" = depth ]; then
+  shift
+  unpack shoal
+  for one in ${@:-llama-8b:bf16}; do
+    IFS=: read -r shape dt <<<"$one"
+    file=/tmp/$shape-$dt.gguf
+    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    for d in ${DEPTHS:-0 512 2048 4096 8000}; do
+      line=$(/tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 8192 --pp 0 \
+        --tg "${TG:-128}" -r 2 --depth "$d" --json 2>"$out/depth-err.txt" | tail -1)
+      echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"depth\":$d,\"bench\":${line:-null}}" | tee -a "$out/depth.jsonl"
+      [ -n "$line" ] || tail -5 "$out/depth-err.txt"
+    done
+    [ -n "${KEEP:-}" ] || rm -f "$file"
   done
 fi
 if [ "$what" = profile ]; then
@@ -95,16 +133,16 @@ if [ "$what" = profile ]; then
   for one in ${@:-qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
     IFS=: read -r shape dt <<<"$one"
     file=/tmp/$shape-$dt.gguf
-    /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
     # Decode kernels only (shoal_*), launched eagerly, past the first 1200 (a few tokens):
     # the prompt (candle's path) launches none of them.
-    SHOAL_CUDA_GRAPHS=0 timeout 300 "$ncu" --clock-control none --kernel-name regex:shoal_ \
+    SHOAL_CUDA_GRAPHS=0 timeout "${PROFILE_TIMEOUT:-300}" "$ncu" --clock-control none --kernel-name regex:shoal_ \
       --launch-skip 1200 --launch-count 1200 --csv --page raw --print-units base \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size \
       /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 --pp 512 --tg 64 -r 1 \
       >"$out/profile-$shape-$dt.csv" 2>"$out/profile-err.txt"
     echo "ncu exit $? for $one"; tail -3 "$out/profile-err.txt"
-    rm -f "$file"
+    [ -n "${KEEP:-}" ] || rm -f "$file"
   done
   python3 - "$out" <<'PY' | tee "$out/profile.md"
 import csv, glob, io, os, sys

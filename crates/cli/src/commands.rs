@@ -376,6 +376,10 @@ struct BenchArgs {
     /// generation deep into a context (llama-bench's `-d`).
     #[arg(long, default_value_t = 0)]
     depth: usize,
+    /// With --local: sequences generating together (one batched forward pass a step, as
+    /// a runner serving that many streams); generation is then their total tok/s.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -1195,6 +1199,9 @@ fn bench(args: BenchArgs) -> Result<()> {
     }
     // SAFETY: start-up, before any thread reads the environment.
     unsafe { std::env::set_var("SHOAL_KERNELS", &args.kernels) };
+    if args.batch > 1 && args.model.ranks > 1 {
+        bail!("--batch measures one process's whole model: leave out --ranks");
+    }
     let mut loaded = Loaded::open(&args.model)?;
     let config = BenchConfig {
         pp: first(&args.pp, 512),
@@ -1202,6 +1209,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         repeat: args.repeat.max(1),
         prefill_chunk: args.prefill_chunk,
         depth: args.depth,
+        batch: args.batch.max(1),
     };
     let progress = bar(0, "bench");
     let report = loaded.with_session(|engine, session| {
@@ -1226,6 +1234,7 @@ fn bench(args: BenchArgs) -> Result<()> {
             "tg": report.tg,
             "repeat": report.repeat,
             "depth": report.depth,
+            "batch": report.batch,
             "prompt_tps": report.prompt.median,
             "generation_tps": report.generation.median,
             "prompt": report.prompt,
@@ -1258,11 +1267,16 @@ fn bench(args: BenchArgs) -> Result<()> {
             s.median, s.min, s.max
         );
     };
-    row(format!("pp{}", report.pp), &report.prompt);
-    let tg = match report.depth {
+    if report.pp > 0 {
+        row(format!("pp{}", report.pp), &report.prompt);
+    }
+    let mut tg = match report.depth {
         0 => format!("tg{}", report.tg),
         d => format!("tg{} @ d{d}", report.tg),
     };
+    if report.batch > 1 {
+        tg = format!("{tg} x{}", report.batch);
+    }
     row(tg, &report.generation);
     println!(
         "tokens/s over {} runs; peak RSS {:.1} MiB",

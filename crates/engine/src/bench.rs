@@ -5,6 +5,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::sampling::argmax;
+use shoal_model::{BatchPart, KvCache, Tensor};
+
 use crate::{Engine, Result, Session};
 
 /// What to measure.
@@ -20,6 +22,14 @@ pub struct BenchConfig {
     /// llama-bench's `-d`: generation's rate deep into a context.
     #[serde(default)]
     pub depth: usize,
+    /// Sequences decoding together in the generation runs (continuous batching's decode
+    /// step: one forward pass over a row of each); 1: a lone sequence.
+    #[serde(default = "one")]
+    pub batch: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Median, min and max of repeated measurements.
@@ -60,7 +70,10 @@ pub struct BenchReport {
     pub repeat: usize,
     #[serde(default)]
     pub depth: usize,
+    #[serde(default = "one")]
+    pub batch: usize,
     pub prompt: Stats,
+    /// Generated tokens per second, of all sequences together.
     pub generation: Stats,
     pub peak_rss_bytes: u64,
 }
@@ -123,7 +136,12 @@ impl Engine {
             }
             done += 1;
             progress(done, total);
-            if config.tg > 0 {
+            if config.tg > 0 && config.batch > 1 {
+                let rate = self.batched_generation(config)?;
+                if run > 0 {
+                    generation.push(rate);
+                }
+            } else if config.tg > 0 {
                 session.reset()?;
                 if config.depth > 0 {
                     let context: Vec<u32> = (0..config.depth as u64)
@@ -155,9 +173,53 @@ impl Engine {
             tg: config.tg,
             repeat: config.repeat,
             depth: config.depth,
+            batch: config.batch,
             prompt: Stats::of(prompt),
             generation: Stats::of(generation),
             peak_rss_bytes: peak_rss_bytes(),
         })
     }
+
+    /// `config.batch` sequences generating `config.tg` tokens each, every step one
+    /// batched forward pass over a token of each (the model's continuous batching, as a
+    /// runner's step of streams runs it), after a prompt of `depth` tokens (at least 16)
+    /// of their own, not timed: total generated tokens per second. This process's whole
+    /// model only.
+    fn batched_generation(&self, config: &BenchConfig) -> Result<f64> {
+        let model = self.model();
+        let vocab = model.config().vocab_size as u64;
+        let mut caches: Vec<KvCache> = (0..config.batch).map(|_| model.new_cache()).collect();
+        let mut next = Vec::with_capacity(config.batch);
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let prompt: Vec<u32> = (0..config.depth.max(16) as u64)
+                .map(|p| ((i as u64 * 7_919 + p * 104_729 + 3) % vocab) as u32)
+                .collect();
+            let logits = model.forward(&prompt, cache, false)?;
+            next.extend(argmax_rows(&logits)?);
+        }
+        let t = Instant::now();
+        for _ in 0..config.tg {
+            let h = model.embed(&next)?;
+            let mut parts: Vec<BatchPart<'_>> = caches
+                .iter_mut()
+                .map(|cache| BatchPart { cache, rows: 1 })
+                .collect();
+            let h = model.forward_layers_batch(h, &mut parts, None)?;
+            next = argmax_rows(&model.head_each(&h)?)?;
+        }
+        Ok((config.batch * config.tg) as f64 / t.elapsed().as_secs_f64())
+    }
+}
+
+/// Each row's arg-max (on a GPU computed there: only the ids come back).
+fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    if logits.device().is_cpu() {
+        return Ok(logits
+            .to_dtype(shoal_model::DType::F32)?
+            .to_vec2::<f32>()?
+            .iter()
+            .map(|r| argmax(r))
+            .collect());
+    }
+    Ok(logits.argmax(1)?.to_vec1::<u32>()?)
 }

@@ -157,29 +157,33 @@ fn bench_depth_fills_the_context_before_each_generation_run() {
         },
     )
     .expect("load");
-    let config = |depth| shoal_engine::BenchConfig {
+    let config = |depth, batch| shoal_engine::BenchConfig {
         pp: 0,
         tg: 8,
         repeat: 1,
         prefill_chunk: 32,
         depth,
+        batch,
     };
     // 56 positions of context and 8 generated fill the 64 exactly.
-    let report = engine
-        .bench(&config(56), &mut |_, _| {})
-        .expect("56 + 8 fit");
-    assert_eq!(report.depth, 56);
-    assert_eq!(report.generation.samples.len(), 1);
-    assert!(report.generation.median > 0.0);
-    // One more position of context does not: the depth really is in the cache.
-    let err = engine
-        .bench(&config(57), &mut |_, _| {})
-        .expect_err("57 + 8 exceed the context");
-    assert!(
-        matches!(
-            err,
-            EngineError::Model(shoal_model::ModelError::ContextFull { context: 64, .. })
-        ),
-        "{err}"
-    );
+    // Alone, and four sequences decoding together, each with a cache of its own.
+    for batch in [1, 4] {
+        let report = engine
+            .bench(&config(56, batch), &mut |_, _| {})
+            .expect("56 + 8 fit");
+        assert_eq!((report.depth, report.batch), (56, batch));
+        assert_eq!(report.generation.samples.len(), 1);
+        assert!(report.generation.median > 0.0);
+        // One more position of context does not: the depth really is in the cache.
+        let err = engine
+            .bench(&config(57, batch), &mut |_, _| {})
+            .expect_err("57 + 8 exceed the context");
+        assert!(
+            matches!(
+                err,
+                EngineError::Model(shoal_model::ModelError::ContextFull { context: 64, .. })
+            ),
+            "batch {batch}: {err}"
+        );
+    }
 }

@@ -551,6 +551,12 @@ impl Model {
         Ok(rows.to_dtype(DType::F32)?)
     }
 
+    /// Batched steps whose attention ran on the GPU decode kernels: none without CUDA.
+    #[cfg(not(feature = "cuda"))]
+    pub fn gpu_batch_steps(&self) -> usize {
+        0
+    }
+
     /// How single tokens decode on a GPU (no effect on the CPU).
     pub fn set_gpu_decode(&mut self, mode: GpuDecode) {
         self.gpu_decode = mode;

@@ -5,7 +5,7 @@
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
-use shoal_model::{Architecture, Compute, GgufFile, GpuDecode, LoadSpec, Model};
+use shoal_model::{Architecture, BatchPart, Compute, GgufFile, GpuDecode, LoadSpec, Model};
 
 fn gpu(dtype: DType) -> Option<Compute> {
     match Compute::parse("cuda:0") {
@@ -225,6 +225,112 @@ fn graph_replay_equals_eager_decoding_and_the_cpu() {
             assert!(
                 e_cpu <= tol * scale,
                 "{} {wt:?}: graph decode off the CPU by {e_cpu} (scale {scale})",
+                arch.name()
+            );
+        }
+    }
+}
+
+/// Decode rows of four sequences in one batched forward pass (`forward_layers_batch`, as
+/// a runner's step of streams runs it): every sequence at its own position with its own
+/// cache (prompts of 5 to 70 tokens, so capacities differ and one doubles mid-way), rope,
+/// the KV append and attention on the decode kernels for the whole batch at once. Each
+/// sequence's logits stay within bf16 tolerance of the CPU in f32 and within rounding of
+/// the same sequence batched alone.
+#[test]
+fn batched_gpu_decode_matches_each_sequence_alone() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-batch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    const STEPS: usize = 16;
+    let prompts: Vec<Vec<u32>> = [5usize, 23, 61, 70]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| {
+            (0..n)
+                .map(|i| ((i * 37 + s * 101 + 11) % 500) as u32)
+                .collect()
+        })
+        .collect();
+    let feed: Vec<Vec<u32>> = (0..prompts.len())
+        .map(|s| {
+            (0..STEPS)
+                .map(|k| ((s * 53 + k * 29 + 7) % 500) as u32)
+                .collect()
+        })
+        .collect();
+    // Every sequence's logits after each fed token, the sequences in `members` batched.
+    let batched = |model: &Model, members: &[usize]| -> Vec<Vec<Vec<f32>>> {
+        let mut caches: Vec<_> = members
+            .iter()
+            .map(|&s| {
+                let mut c = model.new_cache();
+                model.forward(&prompts[s], &mut c, false).expect("prefill");
+                c
+            })
+            .collect();
+        let mut got = vec![Vec::new(); members.len()];
+        let steps: Vec<Vec<u32>> = (0..STEPS)
+            .map(|k| members.iter().map(|&s| feed[s][k]).collect())
+            .collect();
+        for tokens in steps {
+            let h = model.embed(&tokens).expect("embed");
+            let mut parts: Vec<BatchPart<'_>> = caches
+                .iter_mut()
+                .map(|cache| BatchPart { cache, rows: 1 })
+                .collect();
+            let h = model
+                .forward_layers_batch(h, &mut parts, None)
+                .expect("batched decode");
+            for (i, row) in rows(&model.head_each(&h).expect("head"))
+                .into_iter()
+                .enumerate()
+            {
+                got[i].push(row);
+            }
+        }
+        got
+    };
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ] {
+        let path = dir.join(format!("{}.gguf", arch.name()));
+        write_synthetic_gguf(&decode_shape(arch), GgmlDType::F32, 5, &path).expect("write");
+        let file = GgufFile::open(&path).expect("open");
+        let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
+        unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+        let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+        let model = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
+        let all: Vec<usize> = (0..prompts.len()).collect();
+        let together = batched(&model, &all);
+        assert!(
+            model.gpu_batch_steps() >= STEPS,
+            "{}: the batch did not run on the decode kernels",
+            arch.name()
+        );
+        for s in all {
+            let want = decode_logits(&cpu, &prompts[s], &feed[s]);
+            let alone = batched(&model, &[s]).remove(0);
+            let (e_cpu, scale) = max_err(&want, &together[s]);
+            let (e_alone, _) = max_err(&alone, &together[s]);
+            eprintln!(
+                "{} sequence {s} ({} prompt tokens): batched vs CPU f32 {e_cpu:.2e}, vs alone \
+                 {e_alone:.2e} (scale {scale:.2})",
+                arch.name(),
+                prompts[s].len()
+            );
+            assert!(
+                e_cpu <= 1e-1 * scale,
+                "{} sequence {s}: batched decode off the CPU by {e_cpu} (scale {scale})",
+                arch.name()
+            );
+            assert!(
+                e_alone <= 3e-2 * scale,
+                "{} sequence {s}: batched differs from alone by {e_alone} (scale {scale})",
                 arch.name()
             );
         }

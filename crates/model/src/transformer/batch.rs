@@ -29,6 +29,18 @@ impl Model {
         parts: &mut [BatchPart<'_>],
         links: Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
+        // Decode rows on a GPU: attention on the decode kernels, all sequences at once.
+        #[cfg(feature = "cuda")]
+        if links.is_none()
+            && parts.iter().all(|p| p.rows == 1)
+            && hidden.dim(0)? == parts.len()
+            && let Some(x) = self.gpu_decode_rows(&hidden, parts)?
+        {
+            for p in parts.iter_mut() {
+                p.cache.advance(1);
+            }
+            return Ok(x);
+        }
         if let [one] = parts {
             return self.forward_layers_with(hidden, one.cache, links);
         }

@@ -446,18 +446,15 @@ extern "C" __global__ void shoal_gate_up_quant(const uint8_t* __restrict__ gate,
 // Per-head norm (qwen3), rope and the KV append, for the token at *pos. One block per
 // head of q, k and v (in that order), head_dim threads. q is rotated in place; k and v
 // go to the cache as bf16.
-extern "C" __global__ void shoal_rope_append(float* __restrict__ qkv,
-                                             const bf16* __restrict__ q_norm,
-                                             const bf16* __restrict__ k_norm, float eps,
-                                             const float* __restrict__ inv_freq,
-                                             const int* __restrict__ pos_ptr,
-                                             bf16* __restrict__ k_cache,
-                                             bf16* __restrict__ v_cache, int nh, int nkv,
-                                             int hd, int cap, int interleaved) {
+__device__ __forceinline__ void rope_append_head(float* __restrict__ qkv,
+                                                 const bf16* __restrict__ q_norm,
+                                                 const bf16* __restrict__ k_norm, float eps,
+                                                 const float* __restrict__ inv_freq, int pos,
+                                                 bf16* __restrict__ k_cache,
+                                                 bf16* __restrict__ v_cache, int nh, int nkv,
+                                                 int hd, int cap, int interleaved, int head) {
     __shared__ float row[256];
-    const int head = blockIdx.x;
     const int i = threadIdx.x;
-    const int pos = *pos_ptr;
     float* src = qkv + (size_t)head * hd;
     const bool is_q = head < nh, is_k = !is_q && head < nh + nkv;
     float v = src[i];
@@ -499,6 +496,46 @@ extern "C" __global__ void shoal_rope_append(float* __restrict__ qkv,
     }
 }
 
+extern "C" __global__ void shoal_rope_append(float* __restrict__ qkv,
+                                             const bf16* __restrict__ q_norm,
+                                             const bf16* __restrict__ k_norm, float eps,
+                                             const float* __restrict__ inv_freq,
+                                             const int* __restrict__ pos_ptr,
+                                             bf16* __restrict__ k_cache,
+                                             bf16* __restrict__ v_cache, int nh, int nkv,
+                                             int hd, int cap, int interleaved) {
+    rope_append_head(qkv, q_norm, k_norm, eps, inv_freq, *pos_ptr, k_cache, v_cache, nh, nkv,
+                     hd, cap, interleaved, blockIdx.x);
+}
+
+// Where token b of a batch keeps layer `layer`'s keys and values: `caches` holds
+// (key, value) addresses per (layer, token), `caps` each token's cache capacity.
+struct BatchCaches {
+    const unsigned long long* __restrict__ caches;
+    const int* __restrict__ caps;
+    const int* __restrict__ pos;
+    int layer;
+    int batch;
+};
+
+__device__ __forceinline__ bf16* batch_cache(BatchCaches c, int b, int which) {
+    return reinterpret_cast<bf16*>(c.caches[((size_t)c.layer * c.batch + b) * 2 + which]);
+}
+
+// shoal_rope_append for a batch of decode rows, each of its own sequence (its own cache
+// and position): block (head, token).
+extern "C" __global__ void shoal_rope_append_batch(float* __restrict__ qkv,
+                                                   const bf16* __restrict__ q_norm,
+                                                   const bf16* __restrict__ k_norm, float eps,
+                                                   const float* __restrict__ inv_freq,
+                                                   BatchCaches c, int nh, int nkv, int hd,
+                                                   int interleaved) {
+    const int b = blockIdx.y;
+    rope_append_head(qkv + (size_t)b * (nh + 2 * nkv) * hd, q_norm, k_norm, eps, inv_freq,
+                     c.pos[b], batch_cache(c, b, 0), batch_cache(c, b, 1), nh, nkv, hd,
+                     c.caps[b], interleaved, blockIdx.x);
+}
+
 // Positions per attention split: the context spread over the splits, but at least 32 a
 // split, so a short context uses few splits (and the merge reads few partials).
 __device__ __forceinline__ int attn_chunk(int len, int splits) {
@@ -531,16 +568,14 @@ __device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LA
 // takes a contiguous run of the *pos + 1 positions for all query heads of its group and
 // writes an unnormalized partial (max, sum, weighted values); shoal_attn_merge merges
 // them. 4 warps per block; a warp takes one key at a time.
-extern "C" __global__ void shoal_attention(const float* __restrict__ q,
-                                           const bf16* __restrict__ k_cache,
-                                           const bf16* __restrict__ v_cache,
-                                           const int* __restrict__ pos_ptr,
-                                           float* __restrict__ part_acc,
-                                           float2* __restrict__ part_ml, int group, int hd,
-                                           int cap, float scale) {
+__device__ __forceinline__ void attention_block(const float* __restrict__ q,
+                                                const bf16* __restrict__ k_cache,
+                                                const bf16* __restrict__ v_cache, int len,
+                                                float* __restrict__ part_acc,
+                                                float2* __restrict__ part_ml, int group,
+                                                int hd, int cap, float scale) {
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
-    const int len = *pos_ptr + 1;
     const int chunk = attn_chunk(len, splits);
     const int start = split * chunk, end = min(len, start + chunk);
     if (start >= len) return;  // past the active splits: the merge does not read it
@@ -618,17 +653,39 @@ extern "C" __global__ void shoal_attention(const float* __restrict__ q,
     }
 }
 
+extern "C" __global__ void shoal_attention(const float* __restrict__ q,
+                                           const bf16* __restrict__ k_cache,
+                                           const bf16* __restrict__ v_cache,
+                                           const int* __restrict__ pos_ptr,
+                                           float* __restrict__ part_acc,
+                                           float2* __restrict__ part_ml, int group, int hd,
+                                           int cap, float scale) {
+    attention_block(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, group, hd, cap,
+                    scale);
+}
+
+// shoal_attention for a batch of decode rows: block (kv head, split, token); token b's
+// queries are the first heads of its row of `qkv`, its partials a slice of their own.
+extern "C" __global__ void shoal_attention_batch(const float* __restrict__ qkv,
+                                                 BatchCaches c, float* __restrict__ part_acc,
+                                                 float2* __restrict__ part_ml, int nh,
+                                                 int nkv, int group, int hd, float scale) {
+    const int b = blockIdx.z, splits = gridDim.y;
+    attention_block(qkv + (size_t)b * (nh + 2 * nkv) * hd, batch_cache(c, b, 0),
+                    batch_cache(c, b, 1), c.pos[b] + 1,
+                    part_acc + (size_t)b * nh * splits * hd, part_ml + (size_t)b * nh * splits,
+                    group, hd, c.caps[b], scale);
+}
+
 // out[h] = the active splits' partials of query head h merged and normalized, and, where
 // `xq` is given, the same row quantized to 8 bits for a quantized output projection (a
 // warp's 32 values are consecutive values of one head: hd % 32 == 0). One block per
 // query head, head_dim threads.
-extern "C" __global__ void shoal_attn_merge(const float* __restrict__ part_acc,
-                                            const float2* __restrict__ part_ml,
-                                            const int* __restrict__ pos_ptr,
-                                            float* __restrict__ out, int8_t* __restrict__ xq,
-                                            float2* __restrict__ xd, int splits, int hd) {
+__device__ __forceinline__ void merge_head(const float* __restrict__ part_acc,
+                                           const float2* __restrict__ part_ml, int len,
+                                           float* __restrict__ out, int8_t* __restrict__ xq,
+                                           float2* __restrict__ xd, int splits, int hd) {
     const int h = blockIdx.x, d = threadIdx.x;
-    const int len = *pos_ptr + 1;
     const int active = (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
     float mx = -INFINITY;
     for (int s = 0; s < active; s++) mx = fmaxf(mx, part_ml[h * splits + s].x);
@@ -646,3 +703,21 @@ extern "C" __global__ void shoal_attn_merge(const float* __restrict__ part_acc,
     if (xq != nullptr) quantize_warp(v, o / 32, xq, xd);
 }
 
+extern "C" __global__ void shoal_attn_merge(const float* __restrict__ part_acc,
+                                            const float2* __restrict__ part_ml,
+                                            const int* __restrict__ pos_ptr,
+                                            float* __restrict__ out, int8_t* __restrict__ xq,
+                                            float2* __restrict__ xd, int splits, int hd) {
+    merge_head(part_acc, part_ml, *pos_ptr + 1, out, xq, xd, splits, hd);
+}
+
+// shoal_attn_merge for a batch of decode rows: block (query head, token); f32 out only.
+extern "C" __global__ void shoal_attn_merge_batch(const float* __restrict__ part_acc,
+                                                  const float2* __restrict__ part_ml,
+                                                  const int* __restrict__ pos,
+                                                  float* __restrict__ out, int nh, int splits,
+                                                  int hd) {
+    const int b = blockIdx.y;
+    merge_head(part_acc + (size_t)b * nh * splits * hd, part_ml + (size_t)b * nh * splits,
+               pos[b] + 1, out + (size_t)b * nh * hd, nullptr, nullptr, splits, hd);
+}

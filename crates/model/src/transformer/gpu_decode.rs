@@ -30,7 +30,10 @@ use crate::{KvCache, ModelError, QLinear, Result, RopeStyle};
 
 use super::{GpuDecode, Model, RmsNorm};
 
+mod batch;
 mod weights;
+
+use batch::BatchBufs;
 
 use weights::{Linear, linear, norm_ptr, tensor_ptr};
 
@@ -94,6 +97,9 @@ struct Kernels {
     rope_append: CudaFunction,
     attention: CudaFunction,
     attn_merge: CudaFunction,
+    rope_append_batch: CudaFunction,
+    attention_batch: CudaFunction,
+    attn_merge_batch: CudaFunction,
 }
 
 impl Kernels {
@@ -113,6 +119,9 @@ impl Kernels {
             rope_append: f("shoal_rope_append")?,
             attention: f("shoal_attention")?,
             attn_merge: f("shoal_attn_merge")?,
+            rope_append_batch: f("shoal_rope_append_batch")?,
+            attention_batch: f("shoal_attention_batch")?,
+            attn_merge_batch: f("shoal_attn_merge_batch")?,
         })
     }
 }
@@ -204,6 +213,9 @@ pub(crate) struct DecodePlan {
     /// rule by row count: for measuring the rule.
     split: Option<i32>,
     graphs: Vec<(CacheKey, CudaGraph)>,
+    batch: Option<BatchBufs>,
+    /// Batched steps run on these kernels (tests check the path was taken).
+    batch_steps: usize,
     _keep: Vec<Tensor>,
 }
 
@@ -360,6 +372,8 @@ impl DecodePlan {
                 .and_then(|v| v.parse().ok())
                 .filter(|n| [1, 2, 4].contains(n)),
             graphs: Vec::new(),
+            batch: None,
+            batch_steps: 0,
             _keep: keep,
         })
     }
@@ -652,18 +666,11 @@ impl<T: DeviceRepr> Arg for T {
 }
 
 impl Model {
-    /// One token through the whole model on the GPU decode path, or `None` where the path
-    /// does not cover this model (candle's path then runs).
-    pub(super) fn gpu_decode(&self, token: u32, cache: &mut KvCache) -> Result<Option<Tensor>> {
+    /// The decode plan, built on first use; `None` on the CPU, where the environment
+    /// asks for candle's path, or where the path does not cover this model.
+    fn gpu_plan(&self) -> Result<Option<std::sync::MutexGuard<'_, PlanState>>> {
         if self.compute.device.is_cpu() || self.gpu_decode == GpuDecode::Candle {
             return Ok(None);
-        }
-        let pos = cache.len();
-        if pos + 1 > self.max_len {
-            return Err(ModelError::ContextFull {
-                positions: pos + 1,
-                context: self.max_len,
-            });
         }
         let mut state = self
             .gpu_plan
@@ -678,6 +685,25 @@ impl Model {
                 }
             };
         }
+        Ok(matches!(*state, PlanState::Ready(_)).then_some(state))
+    }
+
+    /// One token through the whole model on the GPU decode path, or `None` where the path
+    /// does not cover this model (candle's path then runs).
+    pub(super) fn gpu_decode(&self, token: u32, cache: &mut KvCache) -> Result<Option<Tensor>> {
+        if self.compute.device.is_cpu() || self.gpu_decode == GpuDecode::Candle {
+            return Ok(None);
+        }
+        let pos = cache.len();
+        if pos + 1 > self.max_len {
+            return Err(ModelError::ContextFull {
+                positions: pos + 1,
+                context: self.max_len,
+            });
+        }
+        let Some(mut state) = self.gpu_plan()? else {
+            return Ok(None);
+        };
         let PlanState::Ready(plan) = &mut *state else {
             return Ok(None);
         };
