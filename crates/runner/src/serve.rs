@@ -550,13 +550,15 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         }
     }
 
-    /// Starts `s` from a copy of the longest kept prefix of its prompt, if long enough
-    /// (its last token is always computed: its logits give the first answer token).
+    /// Starts `s` from a copy of the longest kept prefix of its prompt, if long enough.
+    /// Its last two tokens are always computed: the last one's logits give the first
+    /// answer token, and a lone prompt row would be computed as a decode step's (see
+    /// `scheduler::whole_rows`), not as the same request alone computes it.
     fn start_from_prefix(&mut self, s: &mut Seq<'_>) {
         let Some((from, shared)) = self.prefixes.longest(&s.prompt) else {
             return;
         };
-        let len = shared.min(s.prompt.len().saturating_sub(1));
+        let len = shared.min(s.prompt.len().saturating_sub(2));
         if len < MIN_PREFIX {
             return;
         }
