@@ -313,3 +313,108 @@ fn bytemuck_i8(x: &[i8]) -> &[u8] {
 fused_dot!(dot_avx2, "avx2,fma", |q, x| {
     _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
 });
+
+/// Whether [`dot2_avx2`] takes matrices of `ty`.
+pub(crate) fn pairs(ty: BlockType) -> bool {
+    matches!(
+        ty,
+        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0
+    )
+}
+
+/// [`dot_avx2`] for two tokens at once (`xs[t]` = token t's (q, d, sums)) over the 32-weight
+/// block types ([`pairs`]): every block of every row is decoded once for both, and each
+/// token's products, FMAs and bias sums are those of its lone run in the same order (its
+/// accumulators are its own), so each result is the single-token kernel's bit for bit —
+/// while a batch's decode rows no longer decode every weight again per token.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; every row has the same length, a whole number of
+/// blocks of `ty`, and each token's `xq`, `xd`, `xs` cover it.
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn dot2_avx2(
+    ty: BlockType,
+    rows: &[&[u8]],
+    xs: [(&[i8], &[f32], &[f32]); 2],
+    out: &mut [[f32; ROWS]],
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        match rows.len() {
+            1 => dot2_n::<1>(ty, rows, xs, out),
+            2 => dot2_n::<2>(ty, rows, xs, out),
+            3 => dot2_n::<3>(ty, rows, xs, out),
+            _ => dot2_n::<ROWS>(ty, rows, xs, out),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot2_n<const R: usize>(
+    ty: BlockType,
+    rows: &[&[u8]],
+    xs: [(&[i8], &[f32], &[f32]); 2],
+    out: &mut [[f32; ROWS]],
+) {
+    let product = |q: __m256i, x: __m256i| {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1))
+    };
+    let rows: [&[u8]; R] = std::array::from_fn(|r| rows[r]);
+    let xq: [&[u8]; 2] = [bytemuck_i8(xs[0].0), bytemuck_i8(xs[1].0)];
+    let mut acc = [[_mm256_setzero_ps(); R]; 2];
+    let mut bias = [[0f32; R]; 2];
+    let prefetch = |row: &[u8], at: usize| {
+        _mm_prefetch(row.as_ptr().wrapping_add(at) as *const i8, _MM_HINT_T0);
+    };
+    let bb = ty.block_bytes();
+    let blocks = rows[0].len() / bb;
+    for g in 0..blocks {
+        let x = [load32(&xq[0][g * 32..]), load32(&xq[1][g * 32..])];
+        let xsum = [
+            xs[0].2[2 * g] + xs[0].2[2 * g + 1],
+            xs[1].2[2 * g] + xs[1].2[2 * g + 1],
+        ];
+        for r in 0..R {
+            prefetch(rows[r], g * bb + AHEAD);
+            let blk = &rows[r][g * bb..];
+            // (q, d, b) as `dot_avx2` decodes them; Q8_0 multiplies signed values.
+            let (q, d, b) = match ty {
+                BlockType::Q4_0 => {
+                    let d = f16_at(blk, 0);
+                    (nibbles(&blk[2..]), d, -8.0 * d)
+                }
+                BlockType::Q4_1 => (nibbles(&blk[4..]), f16_at(blk, 0), f16_at(blk, 2)),
+                BlockType::Q5_0 => {
+                    let d = f16_at(blk, 0);
+                    let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    (
+                        _mm256_or_si256(nibbles(&blk[6..]), high_bits(qh)),
+                        d,
+                        -16.0 * d,
+                    )
+                }
+                _ => (load32(&blk[2..]), f16_at(blk, 0), 0.0),
+            };
+            for t in 0..2 {
+                let xd = xs[t].1[g];
+                if ty == BlockType::Q8_0 {
+                    let p = product(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x[t], q));
+                    let s = d * xd;
+                    acc[t][r] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s), acc[t][r]);
+                } else {
+                    let p = product(q, x[t]);
+                    acc[t][r] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * xd), acc[t][r]);
+                    bias[t][r] += b * xsum[t];
+                }
+            }
+        }
+    }
+    for t in 0..2 {
+        for r in 0..R {
+            out[t][r] = hsum(acc[t][r]) + bias[t][r];
+        }
+    }
+}

@@ -344,8 +344,8 @@ pub fn matmul_with(
 
 /// Each token of `acts` with each block decoded in registers (no unpacked row): rows
 /// `range` of `w` into `out[tok * w.rows + range]`. A token's result does not depend on
-/// the others: on AVX-512 up to four tokens share each decoded block, each computed by
-/// the single-token arithmetic.
+/// the others: on AVX-512 up to four tokens share each decoded block, on AVX2 two (the
+/// 32-weight block types), each computed by the single-token arithmetic.
 ///
 /// # Safety
 /// `isa` is available and not `Scalar`; `acts` holds rows of `w.cols` values; `out`
@@ -370,6 +370,7 @@ unsafe fn decode_rows(
         while tok < acts.rows() {
             let with = match isa {
                 Isa::Avx512Vnni | Isa::Amx => crate::wide::TOKENS,
+                _ if crate::fused::pairs(w.ty) => 2,
                 _ => 1,
             };
             let tokens = (acts.rows() - tok).min(with);
@@ -381,6 +382,12 @@ unsafe fn decode_rows(
                     Isa::Avx512Vnni | Isa::Amx => {
                         crate::wide::dot(w.ty, &rows[..take], acts, tok, tokens, &mut vals)
                     }
+                    _ if tokens == 2 => crate::fused::dot2_avx2(
+                        w.ty,
+                        &rows[..take],
+                        [acts.row(tok), acts.row(tok + 1)],
+                        &mut vals[..2],
+                    ),
                     _ => {
                         let (xq, xd, xs) = acts.row(tok);
                         crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals[0])
