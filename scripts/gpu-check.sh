@@ -29,6 +29,24 @@ unpack() { # name
   python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "gpu-bin/$1.xz" "/tmp/$1"
   chmod +x "/tmp/$1"
 }
+# The synthesized model of SHAPE and DTYPE, made unless an earlier mode kept it (KEEP=1).
+model_file() { # shape dtype -> path
+  local file=/tmp/$1-$2.gguf
+  [ -e "$file" ] || /tmp/shoal synth --shape "$1" --dtype "$2" --out "$file" >/dev/null
+  echo "$file"
+}
+done_with() { # file
+  [ -n "${KEEP:-}" ] || rm -f "$1"
+}
+# Runs a `bench --json` command line and appends {FIELDS, "bench": its JSON} to
+# $out/NAME.jsonl; when it fails, shows its error's tail.
+record() { # name fields command...
+  local name=$1 fields=$2 line
+  shift 2
+  line=$("$@" 2>"$out/$name-err.txt" | tail -1)
+  echo "{$fields,\"bench\":${line:-null}}" | tee -a "$out/$name.jsonl"
+  [ -n "$line" ] || tail -5 "$out/$name-err.txt"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 if [ "$what" = test ] || [ "$what" = all ]; then
   unpack gpu-test
@@ -77,8 +95,7 @@ if [ "$what" = decode ]; then
   unpack shoal
   for one in ${@:-qwen2.5-1.5b:bf16 qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
     IFS=: read -r shape dt <<<"$one"
-    file=/tmp/$shape-$dt.gguf
-    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    file=$(model_file "$shape" "$dt")
     for mode in ${MODES:-graphs eager candle}; do
       case $mode in
         graphs) env=() ;;
@@ -86,12 +103,11 @@ if [ "$what" = decode ]; then
         candle) env=(SHOAL_GPU_DECODE=candle) ;;
         split1 | split2 | split4) env=(SHOAL_GPU_SPLIT=${mode#split}) ;;
       esac
-      line=$(env "${env[@]}" /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 \
-        --pp 512 --tg 128 -r 3 --json 2>"$out/decode-err.txt" | tail -1)
-      echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"decode\":\"$mode\",\"bench\":${line:-null}}" | tee -a "$out/decode.jsonl"
-      [ -n "$line" ] || tail -5 "$out/decode-err.txt"
+      record decode "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"decode\":\"$mode\"" \
+        env "${env[@]}" /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 \
+        --pp 512 --tg 128 -r 3 --json
     done
-    [ -n "${KEEP:-}" ] || rm -f "$file"
+    done_with "$file"
   done
 fi
 if [ "$what" = batch ]; then
@@ -99,15 +115,13 @@ if [ "$what" = batch ]; then
   unpack shoal
   for one in ${@:-llama-8b:bf16}; do
     IFS=: read -r shape dt <<<"$one"
-    file=/tmp/$shape-$dt.gguf
-    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    file=$(model_file "$shape" "$dt")
     for b in ${BATCHES:-1 8 32}; do
-      line=$(/tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 --pp 0 \
-        --tg "${TG:-64}" -r 1 --batch "$b" --json 2>"$out/batch-err.txt" | tail -1)
-      echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"batch\":$b,\"bench\":${line:-null}}" | tee -a "$out/batch.jsonl"
-      [ -n "$line" ] || tail -5 "$out/batch-err.txt"
+      record batch "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"batch\":$b" \
+        /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 --pp 0 \
+        --tg "${TG:-64}" -r 1 --batch "$b" --json
     done
-    [ -n "${KEEP:-}" ] || rm -f "$file"
+    done_with "$file"
   done
 fi
 if [ "$what" = depth ]; then
@@ -115,15 +129,13 @@ if [ "$what" = depth ]; then
   unpack shoal
   for one in ${@:-llama-8b:bf16}; do
     IFS=: read -r shape dt <<<"$one"
-    file=/tmp/$shape-$dt.gguf
-    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    file=$(model_file "$shape" "$dt")
     for d in ${DEPTHS:-0 512 2048 4096 8000}; do
-      line=$(/tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 8192 --pp 0 \
-        --tg "${TG:-128}" -r 2 --depth "$d" --json 2>"$out/depth-err.txt" | tail -1)
-      echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"depth\":$d,\"bench\":${line:-null}}" | tee -a "$out/depth.jsonl"
-      [ -n "$line" ] || tail -5 "$out/depth-err.txt"
+      record depth "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"depth\":$d" \
+        /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 8192 --pp 0 \
+        --tg "${TG:-128}" -r 2 --depth "$d" --json
     done
-    [ -n "${KEEP:-}" ] || rm -f "$file"
+    done_with "$file"
   done
 fi
 if [ "$what" = profile ]; then
@@ -132,8 +144,7 @@ if [ "$what" = profile ]; then
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for one in ${@:-qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
     IFS=: read -r shape dt <<<"$one"
-    file=/tmp/$shape-$dt.gguf
-    [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null
+    file=$(model_file "$shape" "$dt")
     # Decode kernels only (shoal_*), launched eagerly, past the first 1200 (a few tokens):
     # the prompt (candle's path) launches none of them.
     SHOAL_CUDA_GRAPHS=0 timeout "${PROFILE_TIMEOUT:-300}" "$ncu" --clock-control none --kernel-name regex:shoal_ \
@@ -142,7 +153,7 @@ if [ "$what" = profile ]; then
       /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 --pp 512 --tg 64 -r 1 \
       >"$out/profile-$shape-$dt.csv" 2>"$out/profile-err.txt"
     echo "ncu exit $? for $one"; tail -3 "$out/profile-err.txt"
-    [ -n "${KEEP:-}" ] || rm -f "$file"
+    done_with "$file"
   done
   python3 - "$out" <<'PY' | tee "$out/profile.md"
 import csv, glob, io, os, sys

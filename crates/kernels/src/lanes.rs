@@ -1,5 +1,6 @@
-//! Weights repacked at load so that each 32-bit lane of a 512-bit product holds one whole
-//! block (AVX-512 VNNI; Q4_0, Q4_1, Q5_0 and Q8_0).
+//! Weights repacked at load so that each 32-bit lane of a product holds one whole block
+//! (Q4_0, Q4_1, Q5_0 and Q8_0): groups of 16 blocks for AVX-512 VNNI's 512-bit products
+//! (this module's kernel), of 8 for AVX2's 256-bit ones (`lanes_avx2`).
 //!
 //! In GGUF's layout a `vpdpbusd` over 64 consecutive weights sums two blocks, each over
 //! eight lanes, so every product is converted to floats and scaled at once: per 64
@@ -14,6 +15,9 @@
 //! many rows and tokens share the call, so a token's result is bit for bit the one it
 //! gets alone. A row's last group may hold fewer than 16 blocks: it is stored without
 //! padding and read with masked loads.
+//!
+//! The AVX2 layout differs in one more way: Q8_0's bytes stay signed (AVX2's 8-bit
+//! product saturates on an unsigned byte of 255, so it multiplies magnitudes and signs).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -22,8 +26,10 @@ use std::arch::x86_64::*;
 use crate::BlockType;
 use crate::matmul::Activations;
 
-/// Blocks per group: one per lane.
-const LANES: usize = 16;
+/// Blocks per group for AVX-512 (one per 32-bit lane of 512 bits).
+pub(crate) const WIDE: usize = 16;
+/// Blocks per group for AVX2 (one per 32-bit lane of 256 bits).
+pub(crate) const NARROW: usize = 8;
 
 /// Whether `ty` can be repacked.
 pub(crate) fn takes(ty: BlockType) -> bool {
@@ -37,34 +43,39 @@ pub(crate) fn takes(ty: BlockType) -> bool {
 /// unsigned quant (Q8_0's bytes offset by 128).
 #[derive(Clone, Debug)]
 pub(crate) struct Lanes {
-    ty: BlockType,
-    rows: usize,
-    blocks: usize,
-    groups: usize,
+    pub(crate) ty: BlockType,
+    pub(crate) rows: usize,
+    pub(crate) blocks: usize,
+    pub(crate) groups: usize,
+    /// Blocks per group: [`WIDE`] or [`NARROW`].
+    pub(crate) width: usize,
     /// Quant bytes per block: 16 (two 4-bit weights a byte) or 32.
-    qbytes: usize,
-    q: Vec<u8>,
+    pub(crate) qbytes: usize,
+    pub(crate) q: Vec<u8>,
     /// Per row, per group: the blocks' f16 scales, then (Q4_1) their f16 offsets. With
     /// `q`, as many bytes as GGUF's.
-    h: Vec<u16>,
+    pub(crate) h: Vec<u16>,
     /// f16 values per block: 1, or 2 with Q4_1's offset.
-    hpb: usize,
+    pub(crate) hpb: usize,
     /// Q5_0's fifth bits, per row and group: for each product `v`, the bits of the low
     /// nibbles' bytes, then the high ones' (bit `4j + i`: lane `j`, byte `i`). 64 bytes
     /// a group: GGUF's 4 a block for a full group, up to 60 more for a row's last one.
-    bits: Vec<u64>,
+    pub(crate) bits: Vec<u64>,
 }
 
 /// Which inner loop a block type takes.
-const BYTES: u8 = 0;
-const NIBBLES: u8 = 1;
-const NIBBLES_AND_BITS: u8 = 2;
+pub(crate) const BYTES: u8 = 0;
+pub(crate) const NIBBLES: u8 = 1;
+pub(crate) const NIBBLES_AND_BITS: u8 = 2;
 
 impl Lanes {
-    /// Repacks `rows` rows of GGUF blocks of type `ty` (one of [`takes`]).
-    pub(crate) fn pack(ty: BlockType, rows: usize, cols: usize, data: &[u8]) -> Self {
+    /// Repacks `rows` rows of GGUF blocks of type `ty` (one of [`takes`]) in groups of
+    /// `width` blocks ([`WIDE`] or [`NARROW`]).
+    pub(crate) fn pack(ty: BlockType, rows: usize, cols: usize, data: &[u8], width: usize) -> Self {
+        debug_assert!(width == WIDE || width == NARROW);
         let blocks = cols / 32;
-        let groups = blocks.div_ceil(LANES);
+        let groups = blocks.div_ceil(width);
+        let flip = Self::flips(ty, width);
         let qbytes = if ty == BlockType::Q8_0 { 32 } else { 16 };
         let bb = ty.block_bytes();
         let mut q = vec![0u8; rows * blocks * qbytes];
@@ -76,8 +87,8 @@ impl Lanes {
             let row = &data[r * blocks * bb..(r + 1) * blocks * bb];
             for b in 0..blocks {
                 let blk = &row[b * bb..(b + 1) * bb];
-                let (g, j) = (b / LANES, b % LANES);
-                let n = (blocks - g * LANES).min(LANES);
+                let (g, j) = (b / width, b % width);
+                let n = (blocks - g * width).min(width);
                 let half = |i: usize| u16::from_le_bytes([blk[i], blk[i + 1]]);
                 let quants = match ty {
                     BlockType::Q4_0 => &blk[2..18],
@@ -97,21 +108,15 @@ impl Lanes {
                         }
                     }
                 }
-                let at = r * blocks * hpb + g * LANES * hpb;
+                let at = r * blocks * hpb + g * width * hpb;
                 h[at + j] = half(0);
                 if hpb == 2 {
                     h[at + n + j] = half(2);
                 }
-                let base = r * blocks * qbytes + g * LANES * qbytes;
+                let base = r * blocks * qbytes + g * width * qbytes;
                 for v in 0..qbytes / 4 {
                     for i in 0..4 {
-                        let byte = quants[4 * v + i];
-                        let byte = if ty == BlockType::Q8_0 {
-                            byte ^ 0x80
-                        } else {
-                            byte
-                        };
-                        q[base + v * n * 4 + j * 4 + i] = byte;
+                        q[base + v * n * 4 + j * 4 + i] = quants[4 * v + i] ^ flip;
                     }
                 }
             }
@@ -121,6 +126,7 @@ impl Lanes {
             rows,
             blocks,
             groups,
+            width,
             qbytes,
             q,
             h,
@@ -129,7 +135,17 @@ impl Lanes {
         }
     }
 
-    fn inner_loop(&self) -> u8 {
+    /// What each quant byte is XORed with when packed: Q8_0's bytes become unsigned
+    /// (`q + 128`) for VNNI's unsigned-by-signed product, and stay as they are for AVX2.
+    fn flips(ty: BlockType, width: usize) -> u8 {
+        if ty == BlockType::Q8_0 && width == WIDE {
+            0x80
+        } else {
+            0
+        }
+    }
+
+    pub(crate) fn inner_loop(&self) -> u8 {
         match self.ty {
             BlockType::Q8_0 => BYTES,
             BlockType::Q5_0 => NIBBLES_AND_BITS,
@@ -142,10 +158,11 @@ impl Lanes {
         let bb = self.ty.block_bytes();
         out.clear();
         out.resize(self.blocks * bb, 0);
+        let (width, flip) = (self.width, Self::flips(self.ty, self.width));
         for b in 0..self.blocks {
-            let (g, j) = (b / LANES, b % LANES);
-            let n = (self.blocks - g * LANES).min(LANES);
-            let at = r * self.blocks * self.hpb + g * LANES * self.hpb;
+            let (g, j) = (b / width, b % width);
+            let n = (self.blocks - g * width).min(width);
+            let at = r * self.blocks * self.hpb + g * width * self.hpb;
             let blk = &mut out[b * bb..(b + 1) * bb];
             blk[0..2].copy_from_slice(&self.h[at + j].to_le_bytes());
             let first = if self.hpb == 2 {
@@ -167,16 +184,10 @@ impl Lanes {
             } else {
                 2
             };
-            let base = r * self.blocks * self.qbytes + g * LANES * self.qbytes;
+            let base = r * self.blocks * self.qbytes + g * width * self.qbytes;
             for v in 0..self.qbytes / 4 {
                 for i in 0..4 {
-                    let byte = self.q[base + v * n * 4 + j * 4 + i];
-                    let byte = if self.ty == BlockType::Q8_0 {
-                        byte ^ 0x80
-                    } else {
-                        byte
-                    };
-                    blk[first + 4 * v + i] = byte;
+                    blk[first + 4 * v + i] = self.q[base + v * n * 4 + j * 4 + i] ^ flip;
                 }
             }
         }
@@ -187,98 +198,142 @@ impl Lanes {
     }
 }
 
-/// Activations transposed as [`Lanes`] reads them: per token and group, 8 vectors of 64
-/// bytes (vector `v`, lane `j`: bytes `4v..4v+4` of block `j`), zeros past the last
-/// block; the blocks' scales and `d·Σq` sums, 16 per group.
+/// Activations transposed as [`Lanes`] reads them: per token and group, 8 vectors of
+/// `4·width` bytes (vector `v`, lane `j`: bytes `4v..4v+4` of block `j`), zeros past the
+/// last block; the blocks' scales and `d·Σq` sums, `width` per group (zeros past the
+/// last block).
 pub(crate) struct LaneActs {
-    groups: usize,
-    q: Vec<i8>,
-    d: Vec<f32>,
-    sum: Vec<f32>,
+    pub(crate) groups: usize,
+    pub(crate) width: usize,
+    pub(crate) q: Vec<i8>,
+    pub(crate) d: Vec<f32>,
+    pub(crate) sum: Vec<f32>,
 }
 
 impl LaneActs {
-    pub(crate) fn of(acts: &Activations) -> Self {
+    pub(crate) fn of(acts: &Activations, width: usize) -> Self {
         let blocks = acts.cols() / 32;
-        let groups = blocks.div_ceil(LANES);
+        let groups = blocks.div_ceil(width);
         let t = acts.rows();
-        let mut q = vec![0i8; t * groups * 512];
-        let mut d = vec![0f32; t * groups * LANES];
-        let mut sum = vec![0f32; t * groups * LANES];
+        let group_bytes = 32 * width;
+        let mut q = vec![0i8; t * groups * group_bytes];
+        let mut d = vec![0f32; t * groups * width];
+        let mut sum = vec![0f32; t * groups * width];
         for tok in 0..t {
             let (xq, xd, _) = acts.row(tok);
             for b in 0..blocks {
-                let (g, j) = (b / LANES, b % LANES);
+                let (g, j) = (b / width, b % width);
                 let src = &xq[b * 32..b * 32 + 32];
-                let base = (tok * groups + g) * 512;
+                let base = (tok * groups + g) * group_bytes;
                 for v in 0..8 {
-                    let at = base + v * 64 + j * 4;
+                    let at = base + v * 4 * width + j * 4;
                     q[at..at + 4].copy_from_slice(&src[4 * v..4 * v + 4]);
                 }
-                let at = (tok * groups + g) * LANES + j;
+                let at = (tok * groups + g) * width + j;
                 d[at] = xd[b];
                 let s: i32 = src.iter().map(|&v| v as i32).sum();
                 sum[at] = xd[b] * s as f32;
             }
         }
-        Self { groups, q, d, sum }
+        Self {
+            groups,
+            width,
+            q,
+            d,
+            sum,
+        }
+    }
+
+    pub(crate) fn tokens(&self) -> usize {
+        self.q.len() / (self.groups * 32 * self.width).max(1)
     }
 }
 
-/// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`: rows
-/// two at a time, tokens four at a time (a lone token takes four rows).
+/// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`, by the
+/// kernel of `w`'s width.
+///
+/// # Safety
+/// The CPU has the kernel's features (AVX-512 F/BW/VNNI for [`WIDE`], AVX2 and FMA for
+/// [`NARROW`]); `x` was made from activations of `w`'s width with `w`'s group width;
+/// `out` points at `tokens * w.rows` floats of which no other thread writes `range`.
+pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
+    debug_assert_eq!(w.width, x.width);
+    // SAFETY: forwarded.
+    unsafe {
+        if w.width == NARROW {
+            crate::lanes_avx2::rows(w, x, range, out)
+        } else {
+            rows_wide(w, x, range, out)
+        }
+    }
+}
+
+/// The pass loop both widths share: rows `range` of `w` times every token of `x` into
+/// `out[tok * w.rows + row]`, rows two at a time, tokens four at a time (a lone token
+/// takes four rows), each pass by `$dot::<ROWS, TOKENS, KIND>` (in the caller's scope).
+/// Expands inside an `unsafe fn` whose contract covers `$dot`'s features and `out`.
+macro_rules! pass_rows {
+    ($dot:ident, $w:expr, $x:expr, $range:expr, $out:expr) => {{
+        let (w, x, range, out): (&Lanes, &LaneActs, std::ops::Range<usize>, *mut f32) =
+            ($w, $x, $range, $out);
+        let tokens = x.tokens();
+        let n = w.rows;
+        let last = range.end.saturating_sub(1);
+        macro_rules! run {
+            ($r:literal, $t:literal, $row:expr, $tok:expr) => {{
+                let rows: [usize; $r] = std::array::from_fn(|i| ($row + i).min(last));
+                let mut vals = [[0f32; $r]; $t];
+                // SAFETY: the features are the caller's contract; rows and tokens in range.
+                unsafe {
+                    match w.inner_loop() {
+                        BYTES => $dot::<$r, $t, BYTES>(w, rows, x, $tok, &mut vals),
+                        NIBBLES => $dot::<$r, $t, NIBBLES>(w, rows, x, $tok, &mut vals),
+                        _ => $dot::<$r, $t, NIBBLES_AND_BITS>(w, rows, x, $tok, &mut vals),
+                    }
+                }
+                for (j, row) in vals.iter().enumerate() {
+                    for (i, v) in row.iter().enumerate() {
+                        if $row + i < range.end {
+                            // SAFETY: this thread's rows of `out` (the contract).
+                            unsafe { *out.add(($tok + j) * n + $row + i) = *v };
+                        }
+                    }
+                }
+            }};
+        }
+        if tokens == 1 {
+            let mut r = range.start;
+            while r < range.end {
+                run!(4, 1, r, 0);
+                r += 4;
+            }
+        } else {
+            let mut r = range.start;
+            while r < range.end {
+                let mut tok = 0;
+                while tok < tokens {
+                    match tokens - tok {
+                        1 => run!(2, 1, r, tok),
+                        2 => run!(2, 2, r, tok),
+                        3 => run!(2, 3, r, tok),
+                        _ => run!(2, 4, r, tok),
+                    }
+                    tok += 4;
+                }
+                r += 2;
+            }
+        }
+    }};
+}
+pub(crate) use pass_rows;
+
+/// [`pass_rows`] with the AVX-512 kernel.
 ///
 /// # Safety
 /// The CPU has AVX-512 F/BW and VNNI; `x` was made from activations of `w`'s width;
 /// `out` points at `tokens * w.rows` floats of which no other thread writes `range`.
-pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
-    let tokens = x.q.len() / (x.groups * 512).max(1);
-    let n = w.rows;
-    let last = range.end.saturating_sub(1);
-    macro_rules! run {
-        ($r:literal, $t:literal, $row:expr, $tok:expr) => {{
-            let rows: [usize; $r] = std::array::from_fn(|i| ($row + i).min(last));
-            let mut vals = [[0f32; $r]; $t];
-            // SAFETY: the features are the caller's contract; rows and tokens in range.
-            unsafe {
-                match w.inner_loop() {
-                    BYTES => dot::<$r, $t, BYTES>(w, rows, x, $tok, &mut vals),
-                    NIBBLES => dot::<$r, $t, NIBBLES>(w, rows, x, $tok, &mut vals),
-                    _ => dot::<$r, $t, NIBBLES_AND_BITS>(w, rows, x, $tok, &mut vals),
-                }
-            }
-            for (j, row) in vals.iter().enumerate() {
-                for (i, v) in row.iter().enumerate() {
-                    if $row + i < range.end {
-                        // SAFETY: this thread's rows of `out` (the contract).
-                        unsafe { *out.add(($tok + j) * n + $row + i) = *v };
-                    }
-                }
-            }
-        }};
-    }
-    if tokens == 1 {
-        let mut r = range.start;
-        while r < range.end {
-            run!(4, 1, r, 0);
-            r += 4;
-        }
-        return;
-    }
-    let mut r = range.start;
-    while r < range.end {
-        let mut tok = 0;
-        while tok < tokens {
-            match tokens - tok {
-                1 => run!(2, 1, r, tok),
-                2 => run!(2, 2, r, tok),
-                3 => run!(2, 3, r, tok),
-                _ => run!(2, 4, r, tok),
-            }
-            tok += 4;
-        }
-        r += 2;
-    }
+unsafe fn rows_wide(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
+    pass_rows!(dot, w, x, range, out)
 }
 
 /// `R` rows times tokens `first..first + T`; `KIND`: a weight a byte, two, or two with
@@ -303,8 +358,8 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
     });
     let fifth = _mm512_set1_epi8(0x10);
     for g in 0..groups {
-        let n = (blocks - g * LANES).min(LANES);
-        let mask: u64 = if n == LANES {
+        let n = (blocks - g * WIDE).min(WIDE);
+        let mask: u64 = if n == WIDE {
             u64::MAX
         } else {
             (1u64 << (4 * n)) - 1
@@ -320,7 +375,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                 unsafe {
                     let p =
                         w.q.as_ptr()
-                            .add(rows[r] * blocks * qb + g * LANES * qb + v * n * 4);
+                            .add(rows[r] * blocks * qb + g * WIDE * qb + v * n * 4);
                     let raw = _mm512_maskz_loadu_epi8(mask, p as *const i8);
                     if KIND != BYTES {
                         let mut lo = _mm512_and_si512(raw, m4);
@@ -348,7 +403,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
         for r in 0..R {
             // SAFETY: the masks keep the loads inside the group's `n` scales (and offsets).
             unsafe {
-                let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * LANES * hpb);
+                let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * WIDE * hpb);
                 let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at as *const i16));
                 let c = if hpb == 2 {
                     _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at.add(n) as *const i16))
@@ -356,7 +411,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                     _mm512_mul_ps(d, offset_of_d)
                 };
                 for t in 0..T {
-                    let xat = ((first + t) * groups + g) * LANES;
+                    let xat = ((first + t) * groups + g) * WIDE;
                     let dx = _mm512_loadu_ps(x.d.as_ptr().add(xat));
                     let sum = _mm512_loadu_ps(x.sum.as_ptr().add(xat));
                     acc[r][t] = _mm512_fmadd_ps(c, sum, acc[r][t]);
@@ -400,12 +455,14 @@ mod tests {
                         blk[2..4].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes());
                     }
                 }
-                let lanes = Lanes::pack(ty, rows, blocks * 32, &data);
-                let mut row = Vec::new();
-                for r in 0..rows {
-                    lanes.gguf_row(r, &mut row);
-                    let want = &data[r * blocks * bb..(r + 1) * blocks * bb];
-                    assert_eq!(&row[..], want, "{ty:?}, {blocks} blocks, row {r}");
+                for width in [WIDE, NARROW] {
+                    let lanes = Lanes::pack(ty, rows, blocks * 32, &data, width);
+                    let mut row = Vec::new();
+                    for r in 0..rows {
+                        lanes.gguf_row(r, &mut row);
+                        let want = &data[r * blocks * bb..(r + 1) * blocks * bb];
+                        assert_eq!(&row[..], want, "{ty:?}, {blocks} blocks, row {r}, {width}");
+                    }
                 }
             }
         }

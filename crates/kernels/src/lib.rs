@@ -18,6 +18,7 @@ mod blocks;
 mod dot;
 mod fused;
 mod lanes;
+mod lanes_avx2;
 mod matmul;
 mod pool;
 mod tile;

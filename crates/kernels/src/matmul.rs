@@ -20,13 +20,24 @@ pub struct QuantMatrix {
     lanes: Option<crate::lanes::Lanes>,
 }
 
-/// Whether matrices of `ty` are repacked for the lane kernel: on AVX-512 VNNI machines,
-/// unless `SHOAL_LANES=0` (to compare with GGUF's layout).
+/// The lane kernel's group width for `isa`, if it has one.
 #[cfg(target_arch = "x86_64")]
-fn repack(ty: BlockType) -> bool {
-    crate::lanes::takes(ty)
-        && matches!(Isa::detect(), Isa::Avx512Vnni | Isa::Amx)
-        && std::env::var("SHOAL_LANES").map_or(true, |v| v != "0")
+fn lane_width(isa: Isa) -> Option<usize> {
+    match isa {
+        Isa::Avx512Vnni | Isa::Amx => Some(crate::lanes::WIDE),
+        Isa::Avx2 => Some(crate::lanes::NARROW),
+        Isa::Scalar => None,
+    }
+}
+
+/// The group width matrices of `ty` are repacked in for the lane kernel: on AVX-512 VNNI
+/// and AVX2 machines, unless `SHOAL_LANES=0` (to compare with GGUF's layout).
+#[cfg(target_arch = "x86_64")]
+fn repack(ty: BlockType) -> Option<usize> {
+    if !crate::lanes::takes(ty) || std::env::var("SHOAL_LANES").is_ok_and(|v| v == "0") {
+        return None;
+    }
+    lane_width(Isa::detect())
 }
 
 impl QuantMatrix {
@@ -48,8 +59,8 @@ impl QuantMatrix {
             });
         }
         #[cfg(target_arch = "x86_64")]
-        if repack(ty) {
-            let lanes = crate::lanes::Lanes::pack(ty, rows, cols, &data);
+        if let Some(width) = repack(ty) {
+            let lanes = crate::lanes::Lanes::pack(ty, rows, cols, &data, width);
             return Ok(Self {
                 ty,
                 rows,
@@ -105,12 +116,13 @@ impl QuantMatrix {
         crate::dequantize_row(self.ty, &self.row(r), out);
     }
 
-    /// The lane layout, when the matrix is in it and `isa` runs the lane kernel.
+    /// The lane layout, when the matrix is in it and `isa` runs the lane kernel of its
+    /// width.
     #[cfg(target_arch = "x86_64")]
     fn lanes_for(&self, isa: Isa) -> Option<&crate::lanes::Lanes> {
         self.lanes
             .as_ref()
-            .filter(|_| matches!(isa, Isa::Avx512Vnni | Isa::Amx))
+            .filter(|l| lane_width(isa) == Some(l.width))
     }
 }
 
@@ -263,16 +275,13 @@ pub fn matmul_with(
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(lanes) = w.lanes_for(isa) {
-        let acts = crate::lanes::LaneActs::of(&Activations::quantize(x, t, w.cols)?);
-        let n = w.rows;
-        let threads = pool.size().min(n).max(1);
-        let per = n.div_ceil(threads);
+        let acts = Activations::quantize(x, t, w.cols)?;
+        let acts = crate::lanes::LaneActs::of(&acts, lanes.width);
         let out_addr = out.as_mut_ptr() as usize;
-        pool.run(&|i| {
-            let (start, end) = ((i * per).min(n), ((i + 1) * per).min(n));
-            // SAFETY: the Isa is available (checked above) and has VNNI; this thread
-            // owns rows start..end of every token's output.
-            unsafe { crate::lanes::rows(lanes, &acts, start..end, out_addr as *mut f32) };
+        pool.run_chunks(w.rows, chunk_rows(pool, w.rows, w.cols, t), &|range| {
+            // SAFETY: the Isa is available (checked above) and runs the kernel of the
+            // layout's width; each piece of rows is one thread's, of every token's output.
+            unsafe { crate::lanes::rows(lanes, &acts, range, out_addr as *mut f32) };
         });
         return Ok(());
     }
@@ -342,10 +351,21 @@ pub fn matmul_with(
     Ok(())
 }
 
+/// Rows per piece of a matmul shared out as it goes ([`ThreadPool::run_chunks`]): at least
+/// eight pieces a thread, and none much over ~8k weight blocks times tokens (a few
+/// microseconds), so a thread that loses its core for a while holds up little; a
+/// multiple of four rows (the decode kernels' pass).
+fn chunk_rows(pool: &ThreadPool, rows: usize, cols: usize, t: usize) -> usize {
+    let work = rows * (cols / 32).max(1) * t.max(1);
+    let pieces = (pool.size() * 8).max(work / 8192).max(1);
+    rows.div_ceil(pieces).next_multiple_of(4)
+}
+
 /// Each token of `acts` with each block decoded in registers (no unpacked row): rows
 /// `range` of `w` into `out[tok * w.rows + range]`. A token's result does not depend on
-/// the others: on AVX-512 up to four tokens share each decoded block, on AVX2 two (the
-/// 32-weight block types), each computed by the single-token arithmetic.
+/// the others: on AVX-512 up to four tokens share each decoded block, each computed by the
+/// single-token arithmetic; on AVX2 (the K-quants here, the 32-weight types being in the
+/// lane layout) one token at a time.
 ///
 /// # Safety
 /// `isa` is available and not `Scalar`; `acts` holds rows of `w.cols` values; `out`
@@ -370,7 +390,6 @@ unsafe fn decode_rows(
         while tok < acts.rows() {
             let with = match isa {
                 Isa::Avx512Vnni | Isa::Amx => crate::wide::TOKENS,
-                _ if crate::fused::pairs(w.ty) => 2,
                 _ => 1,
             };
             let tokens = (acts.rows() - tok).min(with);
@@ -382,12 +401,6 @@ unsafe fn decode_rows(
                     Isa::Avx512Vnni | Isa::Amx => {
                         crate::wide::dot(w.ty, &rows[..take], acts, tok, tokens, &mut vals)
                     }
-                    _ if tokens == 2 => crate::fused::dot2_avx2(
-                        w.ty,
-                        &rows[..take],
-                        [acts.row(tok), acts.row(tok + 1)],
-                        &mut vals[..2],
-                    ),
                     _ => {
                         let (xq, xd, xs) = acts.row(tok);
                         crate::fused::dot_avx2(w.ty, &rows[..take], xq, xd, xs, &mut vals[0])
@@ -454,31 +467,34 @@ pub fn matmul_many_with(
             });
         }
     }
-    if t != 1 || isa == Isa::Scalar || cfg!(not(target_arch = "x86_64")) {
+    // Batches share the call only when every matrix is in the lane layout (the other
+    // batch kernels are per matrix).
+    #[cfg(target_arch = "x86_64")]
+    let shared = t == 1 || ws.iter().all(|w| w.lanes_for(isa).is_some());
+    #[cfg(not(target_arch = "x86_64"))]
+    let shared = false;
+    if !shared || isa == Isa::Scalar {
         for (w, out) in ws.iter().zip(outs.iter_mut()) {
             matmul_with(isa, pool, w, x, t, out)?;
         }
         return Ok(());
     }
-    let acts = Activations::quantize(x, 1, cols)?;
+    let acts = Activations::quantize(x, t, cols)?;
     #[cfg(target_arch = "x86_64")]
     let lane_acts = ws
         .iter()
-        .any(|w| w.lanes_for(isa).is_some())
-        .then(|| crate::lanes::LaneActs::of(&acts));
+        .find_map(|w| w.lanes_for(isa))
+        .map(|l| crate::lanes::LaneActs::of(&acts, l.width));
     let total: usize = ws.iter().map(|w| w.rows).sum();
-    let threads = pool.size().min(total).max(1);
-    let per = total.div_ceil(threads);
     let outs: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
-    pool.run(&|i| {
-        let (start, end) = ((i * per).min(total), ((i + 1) * per).min(total));
+    pool.run_chunks(total, chunk_rows(pool, total, cols, t), &|piece| {
         let mut first = 0;
         for (w, &out) in ws.iter().zip(&outs) {
-            let (lo, hi) = (start.max(first), end.min(first + w.rows));
+            let (lo, hi) = (piece.start.max(first), piece.end.min(first + w.rows));
             if lo < hi {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: the Isa is available and not Scalar (checked above); each thread
-                // writes only its own share of the concatenated rows.
+                // SAFETY: the Isa is available and not Scalar (checked above); each piece
+                // of the concatenated rows is one thread's.
                 unsafe {
                     let range = lo - first..hi - first;
                     match (w.lanes_for(isa), &lane_acts) {

@@ -10,6 +10,7 @@
 //! neighbour for a time slice stalls every call it takes part in.
 
 use std::cell::UnsafeCell;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, Thread};
@@ -142,6 +143,25 @@ impl ThreadPool {
         if s.panicked.swap(false, Ordering::Relaxed) {
             panic!("a kernel thread panicked");
         }
+    }
+
+    /// Runs `f` over `0..n` in pieces of `chunk` (the last may be shorter), each thread
+    /// taking the next piece when it finishes one, and returns when all are done. Work
+    /// that stalls on one thread — a core lent to another process for a time slice (a
+    /// VM's stolen time), a piece that costs more — moves to the others, where a static
+    /// split would leave them waiting.
+    pub fn run_chunks(&self, n: usize, chunk: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let chunk = chunk.max(1);
+        let next = AtomicUsize::new(0);
+        self.run(&|_| {
+            loop {
+                let start = next.fetch_add(1, Ordering::Relaxed).saturating_mul(chunk);
+                if start >= n {
+                    break;
+                }
+                f(start..(start + chunk).min(n));
+            }
+        });
     }
 }
 
@@ -279,6 +299,24 @@ mod tests {
         assert_eq!(class(), [libc::SCHED_IDLE; 2]);
         pool.set_background(false);
         assert_eq!(class(), [libc::SCHED_OTHER; 2]);
+    }
+
+    #[test]
+    fn chunks_cover_every_item_once() {
+        let pool = ThreadPool::new(3);
+        for (n, chunk) in [(0, 4), (1, 4), (17, 4), (64, 8), (100, 1), (5, 100)] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.run_chunks(n, chunk, &|range| {
+                assert!(range.len() <= chunk && !range.is_empty());
+                for i in range {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "{n} by {chunk}"
+            );
+        }
     }
 
     #[test]

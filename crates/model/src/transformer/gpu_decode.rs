@@ -276,6 +276,13 @@ impl DecodePlan {
         if !c.hidden_size.is_multiple_of(32) || !c.ffn_size.is_multiple_of(32) {
             return Err("hidden or FFN width not a multiple of 32".into());
         }
+        // The RMSNorm kernel holds the row in its one block's registers.
+        if c.hidden_size > (NORM_MAX * 1024) as usize {
+            return Err(format!(
+                "hidden width {} past the norm kernel's",
+                c.hidden_size
+            ));
+        }
         let stream = device.cuda_stream();
         let s = stream.as_ref();
         let mut keep = Vec::new();
@@ -494,7 +501,7 @@ impl DecodePlan {
         let n = self.hidden;
         self.launch(
             &self.kernels.rmsnorm,
-            cfg((1, 1), 1024, 0),
+            cfg((1, 1), norm_threads(n), 0),
             &[&x, &w, &out, &n, &self.eps, &self.at.xq, &self.at.xd],
         )
     }
@@ -639,6 +646,16 @@ impl DecodePlan {
             &[&part_acc, &part_ml, &pos, &out, &xq, &xd, &splits, &self.hd],
         )
     }
+}
+
+/// Values of a row each thread of the RMSNorm kernel holds at most (`decode.cu`'s
+/// NORM_MAX).
+const NORM_MAX: i32 = 8;
+
+/// Threads of the RMSNorm kernel's one block for a row of `n`: four values each (whole
+/// warps), at most 1024.
+fn norm_threads(n: i32) -> u32 {
+    ((n.max(1) as u32).div_ceil(4).div_ceil(32)).clamp(1, 32) * 32
 }
 
 /// Warps that share one output row: enough warps in all to fill the GPU when a matrix has

@@ -1,0 +1,200 @@
+//! The lane kernel on AVX2 ([`crate::lanes`]'s layout in groups of 8 blocks): each
+//! 32-bit lane of a 256-bit product sums one block, so a group of 8 blocks ends in one
+//! convert and two FMAs per token instead of a convert and an FMA per block.
+//!
+//! AVX2 has no 8-bit dot product into 32 bits: `vpmaddubsw` multiplies unsigned by
+//! signed bytes into 16-bit pair sums (saturating), `vpmaddwd` against ones widens them.
+//! The widening is the costly half, so the 16-bit sums are added up first as far as they
+//! cannot overflow: a 4-bit weight's pair sum is at most 2·15·127 = 3,810 and a whole
+//! group's eight products at most 30,480, so Q4_0 and Q4_1 widen once a group; Q5_0's
+//! 5-bit weights (7,874 a product) every four products; Q8_0 multiplies magnitudes by
+//! signed activations (`vpsignb`), at most 2·128·127 = 32,512, and widens every product.
+//! The integer sums are exact, so the order of additions does not change a result.
+//!
+//! Every (row, token) pair is computed by the same operations in the same order, however
+//! many rows and tokens share the call, so a token's result is bit for bit the one it gets
+//! alone.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use crate::BlockType;
+use crate::lanes::{BYTES, LaneActs, Lanes, NARROW, NIBBLES, NIBBLES_AND_BITS};
+
+/// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`
+/// ([`crate::lanes::pass_rows`] with this kernel).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `x` was made from activations of `w`'s width in groups
+/// of [`NARROW`]; `out` points at `tokens * w.rows` floats of which no other thread
+/// writes `range`.
+pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
+    crate::lanes::pass_rows!(dot, w, x, range, out)
+}
+
+/// How far ahead of the group in hand the quants are prefetched, in bytes (smollm2 on two
+/// AVX2 cores, tokens/s of one stream: none 56–68, 1024 80–97, 2048 89–101, 4096 82–95;
+/// of 8 together: none 126–173, 2048 169–194).
+const AHEAD: usize = 2048;
+
+/// A group's f16 values (scales or offsets) as floats, zeros past its `n` blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn halves(at: *const u16, n: usize) -> __m256 {
+    // SAFETY: `n` readable values at `at` (the caller's contract).
+    unsafe {
+        if n == NARROW {
+            _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
+        } else {
+            let mut tail = [0u16; NARROW];
+            std::ptr::copy_nonoverlapping(at, tail.as_mut_ptr(), n);
+            _mm256_cvtph_ps(_mm_loadu_si128(tail.as_ptr() as *const __m128i))
+        }
+    }
+}
+
+/// `R` rows times tokens `first..first + T`; `KIND`: a weight a byte, two, or two with
+/// their fifth bits beside.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
+    w: &Lanes,
+    rows: [usize; R],
+    x: &LaneActs,
+    first: usize,
+    out: &mut [[f32; R]; T],
+) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
+    // Q4_0's and Q5_0's offsets are fixed multiples of the scale (exact in f32).
+    let offset_of_d = _mm256_set1_ps(match w.ty {
+        BlockType::Q4_0 => -8.0,
+        _ => -16.0,
+    });
+    // Products of 16-bit sums added before widening (see the module comment).
+    // Vectors of 4 bytes a block in a group: 32 weights a byte or two a byte.
+    let vectors = if KIND == BYTES { 8 } else { 4 };
+    debug_assert_eq!(vectors, qb / 4);
+    let widen_every = match KIND {
+        NIBBLES => 4,
+        NIBBLES_AND_BITS => 2,
+        _ => 1,
+    };
+    for g in 0..groups {
+        let n = (blocks - g * NARROW).min(NARROW);
+        // Lanes past a row's last block are not loaded (their activations are zero).
+        let mask = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        let mut dots = [[_mm256_setzero_si256(); T]; R];
+        let mut part = [[_mm256_setzero_si256(); T]; R];
+        // SAFETY: activations hold 32·NARROW bytes per token and group.
+        let xg: [*const i8; T] = std::array::from_fn(|t| unsafe {
+            x.q.as_ptr().add(((first + t) * groups + g) * 32 * NARROW)
+        });
+        for &row in &rows {
+            // A decode step reads every weight once, from memory, and the loads come too
+            // late to hide its latency: fetch AHEAD bytes of quants ahead, and the scales
+            // and fifth bits as far ahead in rows (rows follow one another, so this runs on
+            // into the next pass's). Prefetching never faults: the address may lie past
+            // the end.
+            let fetch = |base: *const u8, at: usize| {
+                _mm_prefetch(base.wrapping_add(at) as *const i8, _MM_HINT_T0);
+            };
+            let at = row * blocks * qb + g * NARROW * qb;
+            for line in (0..NARROW * qb).step_by(64) {
+                fetch(w.q.as_ptr(), at + line + AHEAD);
+            }
+            let at = (row * blocks + g * NARROW) * hpb * 2;
+            fetch(w.h.as_ptr() as *const u8, at + AHEAD * hpb * 2 / qb);
+            if KIND == NIBBLES_AND_BITS {
+                let at = (row * groups + g) * 64;
+                fetch(
+                    w.bits.as_ptr() as *const u8,
+                    at + AHEAD * 64 / (NARROW * qb),
+                );
+            }
+        }
+        // A constant trip count: the loop unrolls and the widenings fall in place.
+        for v in 0..vectors {
+            for r in 0..R {
+                // SAFETY: vector `v` of the group is `n * 4` bytes, loaded whole (a full
+                // group) or by the mask; activations hold 8 vectors of 32 bytes a group.
+                unsafe {
+                    let p =
+                        w.q.as_ptr()
+                            .add(rows[r] * blocks * qb + g * NARROW * qb + v * n * 4);
+                    let raw = if n == NARROW {
+                        _mm256_loadu_si256(p as *const __m256i)
+                    } else {
+                        _mm256_maskload_epi32(p as *const i32, mask)
+                    };
+                    if KIND != BYTES {
+                        let mut lo = _mm256_and_si256(raw, m4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+                        if KIND == NIBBLES_AND_BITS {
+                            let planes = w.bits.as_ptr().add((rows[r] * groups + g) * 8 + 2 * v);
+                            lo = _mm256_or_si256(lo, crate::fused::high_bits(*planes as u32));
+                            hi =
+                                _mm256_or_si256(hi, crate::fused::high_bits(*planes.add(1) as u32));
+                        }
+                        for t in 0..T {
+                            let xl = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
+                            let xh = _mm256_loadu_si256(xg[t].add((4 + v) * 32) as *const __m256i);
+                            let p = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, xl),
+                                _mm256_maddubs_epi16(hi, xh),
+                            );
+                            part[r][t] = _mm256_add_epi16(part[r][t], p);
+                        }
+                    } else {
+                        let mag = _mm256_sign_epi8(raw, raw);
+                        for t in 0..T {
+                            let xv = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
+                            part[r][t] = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, raw));
+                        }
+                    }
+                    if (v + 1) % widen_every == 0 {
+                        for t in 0..T {
+                            dots[r][t] =
+                                _mm256_add_epi32(dots[r][t], _mm256_madd_epi16(part[r][t], ones));
+                            part[r][t] = _mm256_setzero_si256();
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            // SAFETY: the group's `n` scales (and offsets) of row `rows[r]`; `width`
+            // activation scales and sums per group.
+            unsafe {
+                let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * NARROW * hpb);
+                let d = halves(at, n);
+                let c = match w.ty {
+                    BlockType::Q4_1 => Some(halves(at.add(n), n)),
+                    BlockType::Q8_0 => None,
+                    _ => Some(_mm256_mul_ps(d, offset_of_d)),
+                };
+                for t in 0..T {
+                    let xat = ((first + t) * groups + g) * NARROW;
+                    let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
+                    if let Some(c) = c {
+                        let sum = _mm256_loadu_ps(x.sum.as_ptr().add(xat));
+                        acc[r][t] = _mm256_fmadd_ps(c, sum, acc[r][t]);
+                    }
+                    let scale = _mm256_mul_ps(d, dx);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][t]), scale, acc[r][t]);
+                }
+            }
+        }
+    }
+    for r in 0..R {
+        for t in 0..T {
+            out[t][r] = crate::fused::hsum(acc[r][t]);
+        }
+    }
+}
