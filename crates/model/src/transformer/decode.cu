@@ -16,6 +16,19 @@ typedef __nv_bfloat16 bf16;
 #define MAX_GROUP 8   // query heads per KV head the attention kernel holds in registers
 #define MAX_LANE 4    // head_dim / 32 values per lane (head_dim <= 128)
 
+// F(g) with g the compile-time constant equal to `group` (1..MAX_GROUP).
+#define BY_GROUP(group, F)    \
+    switch (group) {          \
+        case 1: F(1); break;  \
+        case 2: F(2); break;  \
+        case 3: F(3); break;  \
+        case 4: F(4); break;  \
+        case 5: F(5); break;  \
+        case 6: F(6); break;  \
+        case 7: F(7); break;  \
+        default: F(8); break; \
+    }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
@@ -583,13 +596,19 @@ __device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LA
 // Attention of one token over the cache, flash-decoding style: block (kv head, split)
 // takes a contiguous run of the *pos + 1 positions for all query heads of its group and
 // writes an unnormalized partial (max, sum, weighted values); shoal_attn_merge merges
-// them. 4 warps per block; a warp takes one key at a time.
+// them. 4 warps per block; a warp takes one key at a time. G, the query heads of the
+// group, is a compile-time constant: every head's score is summed over the warp in the
+// same shuffle stages, interleaved (a runtime count made each head's five dependent
+// shuffles, exponentials and updates wait for the previous head's: 10.7 us for ~580
+// positions on the qwen2.5-1.5b shape, groups of 6), and registers hold G heads, not 8.
+template <int G>
 __device__ __forceinline__ void attention_block(const float* __restrict__ q,
                                                 const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, int len,
                                                 float* __restrict__ part_acc,
-                                                float2* __restrict__ part_ml, int group,
-                                                int hd, int cap, float scale) {
+                                                float2* __restrict__ part_ml, int hd,
+                                                int cap, float scale) {
+    constexpr int group = G;
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
     const int chunk = attn_chunk(len, splits);
@@ -597,17 +616,17 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q,
     if (start >= len) return;  // past the active splits: the merge does not read it
     const int per_lane = hd / WARP;
 
-    float qr[MAX_GROUP][MAX_LANE];
-    float acc[MAX_GROUP][MAX_LANE];
-    float m[MAX_GROUP], l[MAX_GROUP];
+    float qr[G][MAX_LANE];
+    float acc[G][MAX_LANE];
+    float m[G], l[G];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) {
+    for (int g = 0; g < G; g++) {
         m[g] = -INFINITY;
         l[g] = 0.f;
 #pragma unroll
         for (int e = 0; e < MAX_LANE; e++) {
             acc[g][e] = 0.f;
-            qr[g][e] = (g < group && e < per_lane)
+            qr[g][e] = e < per_lane
                            ? q[(size_t)(kvh * group + g) * hd + lane * per_lane + e] * scale
                            : 0.f;
         }
@@ -618,16 +637,23 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q,
         float kv[MAX_LANE], vv[MAX_LANE];
         load_lane(kb + (size_t)j * hd, per_lane, kv);
         load_lane(vb + (size_t)j * hd, per_lane, vv);
+        float s[G];
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; g++) {
-            if (g >= group) break;
-            float s = 0.f;
+        for (int g = 0; g < G; g++) {
+            s[g] = 0.f;
 #pragma unroll
-            for (int e = 0; e < MAX_LANE; e++) s += qr[g][e] * kv[e];
-            s = warp_sum(s);
-            const float mn = fmaxf(m[g], s);
+            for (int e = 0; e < MAX_LANE; e++) s[g] += qr[g][e] * kv[e];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int g = 0; g < G; g++) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float mn = fmaxf(m[g], s[g]);
             const float corr = __expf(m[g] - mn);
-            const float p = __expf(s - mn);
+            const float p = __expf(s[g] - mn);
             l[g] = l[g] * corr + p;
 #pragma unroll
             for (int e = 0; e < MAX_LANE; e++) acc[g][e] = acc[g][e] * corr + p * vv[e];
@@ -640,8 +666,7 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q,
     float* sm = shm + warps * group * hd;              // warps * group
     float* sl = sm + warps * group;                    // warps * group
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) {
-        if (g >= group) break;
+    for (int g = 0; g < G; g++) {
 #pragma unroll
         for (int e = 0; e < MAX_LANE; e++)
             if (e < per_lane) sacc[(warp * group + g) * hd + lane * per_lane + e] = acc[g][e];
@@ -676,8 +701,10 @@ extern "C" __global__ void shoal_attention(const float* __restrict__ q,
                                            float* __restrict__ part_acc,
                                            float2* __restrict__ part_ml, int group, int hd,
                                            int cap, float scale) {
-    attention_block(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, group, hd, cap,
-                    scale);
+    const int len = *pos_ptr + 1;
+#define ATTN(G) attention_block<G>(q, k_cache, v_cache, len, part_acc, part_ml, hd, cap, scale)
+    BY_GROUP(group, ATTN);
+#undef ATTN
 }
 
 // shoal_attention for a batch of decode rows: block (kv head, split, token); token b's
@@ -687,10 +714,13 @@ extern "C" __global__ void shoal_attention_batch(const float* __restrict__ qkv,
                                                  float2* __restrict__ part_ml, int nh,
                                                  int nkv, int group, int hd, float scale) {
     const int b = blockIdx.z, splits = gridDim.y;
-    attention_block(qkv + (size_t)b * (nh + 2 * nkv) * hd, batch_cache(c, b, 0),
-                    batch_cache(c, b, 1), c.pos[b] + 1,
-                    part_acc + (size_t)b * nh * splits * hd, part_ml + (size_t)b * nh * splits,
-                    group, hd, c.caps[b], scale);
+    const float* q = qkv + (size_t)b * (nh + 2 * nkv) * hd;
+    const bf16 *kc = batch_cache(c, b, 0), *vc = batch_cache(c, b, 1);
+    float* acc = part_acc + (size_t)b * nh * splits * hd;
+    float2* ml = part_ml + (size_t)b * nh * splits;
+#define ATTN(G) attention_block<G>(q, kc, vc, c.pos[b] + 1, acc, ml, hd, c.caps[b], scale)
+    BY_GROUP(group, ATTN);
+#undef ATTN
 }
 
 // out[h] = the active splits' partials of query head h merged and normalized, and, where
