@@ -57,10 +57,34 @@ pub(crate) struct Lanes {
     pub(crate) h: Vec<u16>,
     /// f16 values per block: 1, or 2 with Q4_1's offset.
     pub(crate) hpb: usize,
-    /// Q5_0's fifth bits, per row and group: for each product `v`, the bits of the low
-    /// nibbles' bytes, then the high ones' (bit `4j + i`: lane `j`, byte `i`). 64 bytes
-    /// a group: GGUF's 4 a block for a full group, up to 60 more for a row's last one.
+    /// Q5_0's fifth bits, per row and group ([`bit_slot`]): for each product `v`, the bits
+    /// of the low nibbles' bytes, then the high ones' (bit `4j + i`: lane `j`, byte `i`) —
+    /// in two words of 64 bits a product in groups of 16, in one word's two halves in
+    /// groups of 8. GGUF's 4 bytes a block for a full group, more for a row's last one.
     pub(crate) bits: Vec<u64>,
+}
+
+/// Where Q5_0's fifth bit of byte `i` of lane (block) `j`'s product `v` lies in
+/// [`Lanes::bits`] (its low nibble's, or with `high` its high nibble's): the word and the
+/// bit. Groups of 16: two words a product (low, high), bit `4j + i`; groups of 8: one word
+/// a product, bit `4j + i` of its low half or its high half.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bit_slot(
+    width: usize,
+    groups: usize,
+    r: usize,
+    g: usize,
+    v: usize,
+    high: bool,
+    j: usize,
+    i: usize,
+) -> (usize, u32) {
+    let base = (r * groups + g) * width / 2;
+    if width == WIDE {
+        (base + 2 * v + high as usize, (4 * j + i) as u32)
+    } else {
+        (base + v, (4 * j + i + 32 * high as usize) as u32)
+    }
 }
 
 /// Which inner loop a block type takes.
@@ -82,7 +106,7 @@ impl Lanes {
         let hpb = if ty == BlockType::Q4_1 { 2 } else { 1 };
         let mut h = vec![0u16; rows * blocks * hpb];
         let q5 = ty == BlockType::Q5_0;
-        let mut bits = vec![0u64; if q5 { rows * groups * 8 } else { 0 }];
+        let mut bits = vec![0u64; if q5 { rows * groups * width / 2 } else { 0 }];
         for r in 0..rows {
             let row = &data[r * blocks * bb..(r + 1) * blocks * bb];
             for b in 0..blocks {
@@ -98,13 +122,13 @@ impl Lanes {
                 };
                 if q5 {
                     let qh = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
-                    let at = (r * groups + g) * 8;
                     for v in 0..4 {
                         for i in 0..4 {
-                            let lo = (qh >> (4 * v + i)) & 1;
-                            let hi = (qh >> (16 + 4 * v + i)) & 1;
-                            bits[at + 2 * v] |= (lo as u64) << (4 * j + i);
-                            bits[at + 2 * v + 1] |= (hi as u64) << (4 * j + i);
+                            for high in [false, true] {
+                                let bit = (qh >> (4 * v + i + if high { 16 } else { 0 })) & 1;
+                                let (at, shift) = bit_slot(width, groups, r, g, v, high, j, i);
+                                bits[at] |= (bit as u64) << shift;
+                            }
                         }
                     }
                 }
@@ -170,13 +194,13 @@ impl Lanes {
                 4
             } else if self.ty == BlockType::Q5_0 {
                 let mut qh = 0u32;
-                let planes = &self.bits[(r * self.groups + g) * 8..][..8];
                 for v in 0..4 {
                     for i in 0..4 {
-                        let lo = (planes[2 * v] >> (4 * j + i)) & 1;
-                        let hi = (planes[2 * v + 1] >> (4 * j + i)) & 1;
-                        qh |= (lo as u32) << (4 * v + i);
-                        qh |= (hi as u32) << (16 + 4 * v + i);
+                        for high in [false, true] {
+                            let (at, shift) = bit_slot(width, self.groups, r, g, v, high, j, i);
+                            let bit = (self.bits[at] >> shift) & 1;
+                            qh |= (bit as u32) << (4 * v + i + if high { 16 } else { 0 });
+                        }
                     }
                 }
                 blk[2..6].copy_from_slice(&qh.to_le_bytes());

@@ -112,10 +112,10 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             let at = (row * blocks + g * NARROW) * hpb * 2;
             fetch(w.h.as_ptr() as *const u8, at + AHEAD * hpb * 2 / qb);
             if KIND == NIBBLES_AND_BITS {
-                let at = (row * groups + g) * 64;
+                let at = (row * groups + g) * 32;
                 fetch(
                     w.bits.as_ptr() as *const u8,
-                    at + AHEAD * 64 / (NARROW * qb),
+                    at + AHEAD * 32 / (NARROW * qb),
                 );
             }
         }
@@ -137,10 +137,11 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                         let mut lo = _mm256_and_si256(raw, m4);
                         let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
                         if KIND == NIBBLES_AND_BITS {
-                            let planes = w.bits.as_ptr().add((rows[r] * groups + g) * 8 + 2 * v);
-                            lo = _mm256_or_si256(lo, crate::fused::high_bits(*planes as u32));
+                            // This product's word: the low nibbles' bits, then the high ones'.
+                            let planes = *w.bits.as_ptr().add((rows[r] * groups + g) * 4 + v);
+                            lo = _mm256_or_si256(lo, crate::fused::high_bits(planes as u32));
                             hi =
-                                _mm256_or_si256(hi, crate::fused::high_bits(*planes.add(1) as u32));
+                                _mm256_or_si256(hi, crate::fused::high_bits((planes >> 32) as u32));
                         }
                         for t in 0..T {
                             let xl = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
