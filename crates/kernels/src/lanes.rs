@@ -40,7 +40,8 @@ pub(crate) fn takes(ty: BlockType) -> bool {
 }
 
 /// A matrix of 32-weight blocks in the lane layout: `w = d·u + c` per block, `u` the
-/// unsigned quant (Q8_0's bytes offset by 128).
+/// unsigned quant (Q8_0: its bytes offset by 128 in groups of 16; in groups of 8 they stay
+/// signed, `c = 0`).
 #[derive(Clone, Debug)]
 pub(crate) struct Lanes {
     pub(crate) ty: BlockType,
@@ -69,7 +70,7 @@ pub(crate) struct Lanes {
 /// bit. Groups of 16: two words a product (low, high), bit `4j + i`; groups of 8: one word
 /// a product, bit `4j + i` of its low half or its high half.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn bit_slot(
+fn bit_slot(
     width: usize,
     groups: usize,
     r: usize,

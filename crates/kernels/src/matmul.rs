@@ -468,9 +468,10 @@ pub fn matmul_many_with(
         }
     }
     // Batches share the call only when every matrix is in the lane layout (the other
-    // batch kernels are per matrix).
+    // batch kernels are per matrix) and the rows take the 8-bit kernels (`bf16_tiles`:
+    // AMX batches, and rows pinned to bf16, go through `matmul` as alone).
     #[cfg(target_arch = "x86_64")]
-    let shared = t == 1 || ws.iter().all(|w| w.lanes_for(isa).is_some());
+    let shared = !bf16_tiles(isa, t) && (t == 1 || ws.iter().all(|w| w.lanes_for(isa).is_some()));
     #[cfg(not(target_arch = "x86_64"))]
     let shared = false;
     if !shared || isa == Isa::Scalar {
