@@ -72,6 +72,36 @@ __device__ __forceinline__ void quantize_warp(float v, int b, int8_t* __restrict
     if (lane == 0) qd[b] = make_float2(d, s * d);
 }
 
+// Programmatic dependent launch (Hopper): gpu_decode.rs launches every kernel of a step
+// but the first so that its blocks may become resident while the kernel ahead of it
+// finishes, which hides the launch gap between the ~10 kernels a layer (the small models'
+// fixed cost). `begin_step` holds a kernel until the one ahead has finished and its writes
+// are visible, then lets the kernel behind it start its blocks. Everything a kernel reads or
+// writes of the step's buffers comes after it; only weights are touched before (prefetched
+// into L2). Without such a launch both instructions return at once.
+__device__ __forceinline__ void begin_step() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The first lines of a row the warp's group reads (up to 8 KB a warp), into L2 before
+// `begin_step`: the weights' DRAM latency overlaps the kernel ahead.
+__device__ __forceinline__ void prefetch_row(const void* row, size_t bytes, int part, int split) {
+    const uint8_t* p = static_cast<const uint8_t*>(row);
+    const int lane = threadIdx.x % WARP;
+#pragma unroll
+    for (int t = 0; t < 2; t++) {
+        const size_t line = (size_t)(part * WARP + lane) + (size_t)t * WARP * split;
+        if (line * 128 < bytes) prefetch_l2(p + line * 128);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // RMSNorm of one row: out = x / rms(x) * w. One block of a multiple of 32 threads, each
 // holding NORM_MAX values at most (n <= NORM_MAX * blockDim.x, n a multiple of 32). Also
@@ -84,6 +114,7 @@ __device__ __forceinline__ void quantize_warp(float v, int b, int8_t* __restrict
 extern "C" __global__ void shoal_rmsnorm(const float* __restrict__ x, const bf16* __restrict__ w,
                                          float* __restrict__ out, int n, float eps,
                                          int8_t* __restrict__ q, float2* __restrict__ qd) {
+    begin_step();
     float v[NORM_MAX], wv[NORM_MAX];
     float ss = 0.f;
 #pragma unroll
@@ -110,6 +141,7 @@ extern "C" __global__ void shoal_rmsnorm(const float* __restrict__ x, const bf16
 // The same 8-bit blocks of any row (the attention output, the FFN's product).
 extern "C" __global__ void shoal_quantize_q8(const float* __restrict__ x, int n,
                                              int8_t* __restrict__ q, float2* __restrict__ qd) {
+    begin_step();
     const int lane = threadIdx.x % WARP;
     const int b = blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (b >= n / 32) return;
@@ -120,16 +152,6 @@ extern "C" __global__ void shoal_quantize_q8(const float* __restrict__ x, int n,
 // Mat-vec, bf16 rows. One warp per output row; each lane reads 16 bytes at a time.
 // `k` is a multiple of 8. Up to three matrices stacked as one (q, k, v): row r of the
 // output is row r of the first, then of the second, then of the third.
-
-__device__ __forceinline__ float dot8(uint4 w, const float* __restrict__ x) {
-    const float4 a = *reinterpret_cast<const float4*>(x);
-    const float4 b = *reinterpret_cast<const float4*>(x + 4);
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
-    const float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
-    const float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
-    return w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x + w2.y * b.y +
-           w3.x * b.z + w3.y * b.w;
-}
 
 // A block's warps in groups of `split` per output row: warp j of a group takes every
 // split-th 8-wide piece of the row from the j-th, and the group adds its sums in shared
@@ -166,6 +188,38 @@ __device__ __forceinline__ float3 group_sum(float a, float b, float c, int split
     return t;
 }
 
+// x[8 i .. 8 i + 8), times the norm's weights there where `norm_w` is given (adding the
+// squares of the x it saw to `sq`).
+__device__ __forceinline__ void load_x8(const float* __restrict__ x,
+                                        const bf16* __restrict__ norm_w, int i, float xs[8],
+                                        float* sq) {
+    const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
+    const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
+    xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
+    xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
+    if (norm_w == nullptr) return;
+    const uint4 n = __ldg(reinterpret_cast<const uint4*>(norm_w) + i);
+    const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 f = __bfloat1622float2(np[e]);
+        *sq += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
+        xs[2 * e] *= f.x;
+        xs[2 * e + 1] *= f.y;
+    }
+}
+
+__device__ __forceinline__ float dot8_regs(uint4 w, const float xs[8]) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 f = __bfloat1622float2(p[e]);
+        acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
+    }
+    return acc;
+}
+
 // The row's dot product with x (times the norm's weights where `norm_w` is given) and the
 // sum of squares of the x it saw (for the RMSNorm folded into the product).
 __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
@@ -175,36 +229,24 @@ __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
     const uint4* w = reinterpret_cast<const uint4*>(row);
     const int lane = threadIdx.x % WARP;
     float acc = 0.f, sq = 0.f;
-    const int n8 = k / 8;
     if (norm_w == nullptr) {
 #pragma unroll 4
-        for (int i = lane + WARP * part; i < n8; i += WARP * split)
-            acc += dot8(__ldg(w + i), x + 8 * i);
-    } else {
-        const uint4* nw = reinterpret_cast<const uint4*>(norm_w);
-#pragma unroll 4
-        for (int i = lane + WARP * part; i < n8; i += WARP * split) {
-            float xs[8];
+        for (int i = lane + WARP * part; i < k / 8; i += WARP * split) {
             const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
             const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
-            xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
-            xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
-            const uint4 n = __ldg(nw + i);
-            const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 f = __bfloat1622float2(np[e]);
-                sq += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
-                xs[2 * e] *= f.x;
-                xs[2 * e + 1] *= f.y;
-            }
             const uint4 wv = __ldg(w + i);
             const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 f = __bfloat1622float2(p[e]);
-                acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
-            }
+            const float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
+            const float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
+            acc += w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x +
+                   w2.y * b.y + w3.x * b.z + w3.y * b.w;
+        }
+    } else {
+#pragma unroll 4
+        for (int i = lane + WARP * part; i < k / 8; i += WARP * split) {
+            float xs[8];
+            load_x8(x, norm_w, i, xs, &sq);
+            acc += dot8_regs(__ldg(w + i), xs);
         }
     }
     *dot = acc;
@@ -240,6 +282,9 @@ extern "C" __global__ void shoal_matvec_bf16(Segments seg, const float* __restri
     // Picked without indexing the parameter arrays (which would copy them to local memory).
     const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
     const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
+    // No prefetch here: bf16 rows are long, and asking for whole rows twice cost the
+    // llama-8B shape ~10% (its mat-vecs are bandwidth-bound, not latency-bound).
+    begin_step();
     if (s < 3) row_dot_bf16(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
     const float3 t = group_sum(dot, ss, 0.f, split);
     if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
@@ -253,7 +298,8 @@ extern "C" __global__ void shoal_matvec_bf16(Segments seg, const float* __restri
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
-// y[r] = silu(gate_r . norm(x)) * (up_r . norm(x))
+// y[r] = silu(gate_r . norm(x)) * (up_r . norm(x)). (One pass over both rows, x read once
+// for the two, was tried: llama-8B bf16 fell from 194 to 172 tok/s.)
 extern "C" __global__ void shoal_gate_up_bf16(const bf16* __restrict__ gate,
                                               const bf16* __restrict__ up,
                                               const float* __restrict__ x,
@@ -262,6 +308,7 @@ extern "C" __global__ void shoal_gate_up_bf16(const bf16* __restrict__ gate,
                                               int split) {
     const RowSlot slot = row_slot(split);
     const int r = slot.row;
+    begin_step();
     float g = 0.f, u = 0.f, ss = 0.f;
     if (r < rows) {
         row_dot_bf16(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g, &ss);
@@ -443,6 +490,8 @@ extern "C" __global__ void shoal_matvec_quant(QSegments seg, const int8_t* __res
     const uint8_t* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
     const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
     const int kind = s == 0 ? seg.kind[0] : s == 1 ? seg.kind[1] : seg.kind[2];
+    if (s < 3) prefetch_row(w + row_bytes(kind, k) * r, row_bytes(kind, k), slot.part, split);
+    begin_step();
     float v = 0.f;
     if (s < 3) v = dot_quant(kind, w + row_bytes(kind, k) * r, k, xq, xd, slot.part, split);
     const float3 t = group_sum(v, 0.f, 0.f, split);
@@ -462,6 +511,11 @@ extern "C" __global__ void shoal_gate_up_quant(const uint8_t* __restrict__ gate,
                                                int split) {
     const RowSlot slot = row_slot(split);
     const int r = slot.row;
+    if (r < rows) {
+        prefetch_row(gate + row_bytes(kind_g, k) * r, row_bytes(kind_g, k), slot.part, split);
+        prefetch_row(up + row_bytes(kind_u, k) * r, row_bytes(kind_u, k), slot.part, split);
+    }
+    begin_step();
     float g = 0.f, u = 0.f;
     if (r < rows) {
         g = dot_quant(kind_g, gate + row_bytes(kind_g, k) * r, k, xq, xd, slot.part, split);
@@ -533,6 +587,7 @@ extern "C" __global__ void shoal_rope_append(float* __restrict__ qkv,
                                              bf16* __restrict__ k_cache,
                                              bf16* __restrict__ v_cache, int nh, int nkv,
                                              int hd, int cap, int interleaved) {
+    begin_step();
     rope_append_head(qkv, q_norm, k_norm, eps, inv_freq, *pos_ptr, k_cache, v_cache, nh, nkv,
                      hd, cap, interleaved, blockIdx.x);
 }
@@ -559,6 +614,7 @@ extern "C" __global__ void shoal_rope_append_batch(float* __restrict__ qkv,
                                                    const float* __restrict__ inv_freq,
                                                    BatchCaches c, int nh, int nkv, int hd,
                                                    int interleaved) {
+    begin_step();
     const int b = blockIdx.y;
     rope_append_head(qkv + (size_t)b * (nh + 2 * nkv) * hd, q_norm, k_norm, eps, inv_freq,
                      c.pos[b], batch_cache(c, b, 0), batch_cache(c, b, 1), nh, nkv, hd,
@@ -701,6 +757,7 @@ extern "C" __global__ void shoal_attention(const float* __restrict__ q,
                                            float* __restrict__ part_acc,
                                            float2* __restrict__ part_ml, int group, int hd,
                                            int cap, float scale) {
+    begin_step();
     const int len = *pos_ptr + 1;
 #define ATTN(G) attention_block<G>(q, k_cache, v_cache, len, part_acc, part_ml, hd, cap, scale)
     BY_GROUP(group, ATTN);
@@ -713,6 +770,7 @@ extern "C" __global__ void shoal_attention_batch(const float* __restrict__ qkv,
                                                  BatchCaches c, float* __restrict__ part_acc,
                                                  float2* __restrict__ part_ml, int nh,
                                                  int nkv, int group, int hd, float scale) {
+    begin_step();
     const int b = blockIdx.z, splits = gridDim.y;
     const float* q = qkv + (size_t)b * (nh + 2 * nkv) * hd;
     const bf16 *kc = batch_cache(c, b, 0), *vc = batch_cache(c, b, 1);
@@ -754,6 +812,7 @@ extern "C" __global__ void shoal_attn_merge(const float* __restrict__ part_acc,
                                             const int* __restrict__ pos_ptr,
                                             float* __restrict__ out, int8_t* __restrict__ xq,
                                             float2* __restrict__ xd, int splits, int hd) {
+    begin_step();
     merge_head(part_acc, part_ml, *pos_ptr + 1, out, xq, xd, splits, hd);
 }
 
@@ -763,6 +822,7 @@ extern "C" __global__ void shoal_attn_merge_batch(const float* __restrict__ part
                                                   const int* __restrict__ pos,
                                                   float* __restrict__ out, int nh, int splits,
                                                   int hd) {
+    begin_step();
     const int b = blockIdx.y;
     merge_head(part_acc + (size_t)b * nh * splits * hd, part_ml + (size_t)b * nh * splits,
                pos[b] + 1, out + (size_t)b * nh * hd, nullptr, nullptr, splits, hd);

@@ -17,8 +17,10 @@
 
 use std::sync::Arc;
 
+use std::cell::Cell;
+
 use candle_core::cuda_backend::cudarc::driver::sys::{
-    CUgraphInstantiate_flags, CUstreamCaptureMode,
+    self as cu, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use candle_core::cuda_backend::cudarc::driver::{
     CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -213,6 +215,12 @@ pub(crate) struct DecodePlan {
     /// rule by row count: for measuring the rule.
     split: Option<i32>,
     graphs: Vec<(CacheKey, CudaGraph)>,
+    /// Launch a step's kernels after its first as programmatic dependents of the one
+    /// ahead (`decode.cu`'s `begin_step`); `SHOAL_GPU_PDL=0` turns it off, to compare.
+    pdl: bool,
+    /// Inside `record`: whether the next launch follows one of the step's own kernels
+    /// (`None` outside a step: the batched path's kernels follow candle's).
+    chained: Cell<Option<bool>>,
     batch: Option<BatchBufs>,
     /// Batched steps run on these kernels (tests check the path was taken).
     batch_steps: usize,
@@ -379,6 +387,8 @@ impl DecodePlan {
                 .and_then(|v| v.parse().ok())
                 .filter(|n| [1, 2, 4].contains(n)),
             graphs: Vec::new(),
+            pdl: std::env::var("SHOAL_GPU_PDL").map_or(true, |v| v != "0"),
+            chained: Cell::new(None),
             batch: None,
             batch_steps: 0,
             _keep: keep,
@@ -449,6 +459,14 @@ impl DecodePlan {
     /// the RMSNorm before it into its own kernel; a quantized one reads the normed row
     /// quantized to 8 bits by the norm's kernel.
     fn record(&self, cache: &CacheKey) -> Result<()> {
+        // The step's first kernel follows host copies: an ordinary launch.
+        self.chained.set(Some(false));
+        let recorded = self.record_layers(cache);
+        self.chained.set(None);
+        recorded
+    }
+
+    fn record_layers(&self, cache: &CacheKey) -> Result<()> {
         let Ptrs {
             x,
             h,
@@ -486,6 +504,11 @@ impl DecodePlan {
     }
 
     fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
+        match self.chained.get() {
+            Some(true) if self.pdl => return self.launch_dependent(f, cfg, args),
+            Some(false) => self.chained.set(Some(true)),
+            _ => {}
+        }
         let mut builder = self.stream.launch_builder(f);
         for a in args {
             a.push(&mut builder);
@@ -494,6 +517,48 @@ impl DecodePlan {
         // every address points into a buffer or tensor this plan holds.
         unsafe { builder.launch(cfg) }.map_err(gpu_err)?;
         Ok(())
+    }
+
+    /// Launches `f` as a programmatic dependent of the kernel ahead of it in the stream
+    /// (captured as such into a graph): its blocks may start before that kernel ends and
+    /// wait in `begin_step`.
+    fn launch_dependent(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &[&dyn Arg],
+    ) -> Result<()> {
+        let mut params: Vec<*mut std::ffi::c_void> = args.iter().map(|a| a.param()).collect();
+        // SAFETY: a zeroed attribute is a valid plain C struct; the union member set is the
+        // one the attribute id names.
+        let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = cu::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        self.stream.context().bind_to_thread().map_err(gpu_err)?;
+        // SAFETY: as in `launch`; `params` points at the arguments, which outlive the call,
+        // one per kernel parameter in order.
+        unsafe {
+            cu::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(gpu_err)
     }
 
     /// RMSNorm of `x` into `out`, and quantized to 8 bits for the next mat-vec.
@@ -674,11 +739,17 @@ fn split_for(rows: i32) -> i32 {
 /// A kernel argument of any of the types the kernels take.
 trait Arg {
     fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
+    /// The argument's address, as `cuLaunchKernelEx` takes it.
+    fn param(&self) -> *mut std::ffi::c_void;
 }
 
 impl<T: DeviceRepr> Arg for T {
     fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
         builder.arg(self);
+    }
+
+    fn param(&self) -> *mut std::ffi::c_void {
+        self as *const T as *mut std::ffi::c_void
     }
 }
 
