@@ -153,6 +153,16 @@ extern "C" __global__ void shoal_quantize_q8(const float* __restrict__ x, int n,
 // `k` is a multiple of 8. Up to three matrices stacked as one (q, k, v): row r of the
 // output is row r of the first, then of the second, then of the third.
 
+__device__ __forceinline__ float dot8(uint4 w, const float* __restrict__ x) {
+    const float4 a = *reinterpret_cast<const float4*>(x);
+    const float4 b = *reinterpret_cast<const float4*>(x + 4);
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
+    const float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
+    const float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
+    return w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x + w2.y * b.y +
+           w3.x * b.z + w3.y * b.w;
+}
+
 // A block's warps in groups of `split` per output row: warp j of a group takes every
 // split-th 8-wide piece of the row from the j-th, and the group adds its sums in shared
 // memory. Long rows over few outputs (the down projection) then still fill the GPU.
@@ -188,38 +198,6 @@ __device__ __forceinline__ float3 group_sum(float a, float b, float c, int split
     return t;
 }
 
-// x[8 i .. 8 i + 8), times the norm's weights there where `norm_w` is given (adding the
-// squares of the x it saw to `sq`).
-__device__ __forceinline__ void load_x8(const float* __restrict__ x,
-                                        const bf16* __restrict__ norm_w, int i, float xs[8],
-                                        float* sq) {
-    const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
-    const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
-    xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
-    xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
-    if (norm_w == nullptr) return;
-    const uint4 n = __ldg(reinterpret_cast<const uint4*>(norm_w) + i);
-    const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const float2 f = __bfloat1622float2(np[e]);
-        *sq += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
-        xs[2 * e] *= f.x;
-        xs[2 * e + 1] *= f.y;
-    }
-}
-
-__device__ __forceinline__ float dot8_regs(uint4 w, const float xs[8]) {
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
-    float acc = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const float2 f = __bfloat1622float2(p[e]);
-        acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
-    }
-    return acc;
-}
-
 // The row's dot product with x (times the norm's weights where `norm_w` is given) and the
 // sum of squares of the x it saw (for the RMSNorm folded into the product).
 __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
@@ -229,24 +207,36 @@ __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
     const uint4* w = reinterpret_cast<const uint4*>(row);
     const int lane = threadIdx.x % WARP;
     float acc = 0.f, sq = 0.f;
+    const int n8 = k / 8;
     if (norm_w == nullptr) {
 #pragma unroll 4
-        for (int i = lane + WARP * part; i < k / 8; i += WARP * split) {
+        for (int i = lane + WARP * part; i < n8; i += WARP * split)
+            acc += dot8(__ldg(w + i), x + 8 * i);
+    } else {
+        const uint4* nw = reinterpret_cast<const uint4*>(norm_w);
+#pragma unroll 4
+        for (int i = lane + WARP * part; i < n8; i += WARP * split) {
+            float xs[8];
             const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
             const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
+            xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
+            xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
+            const uint4 n = __ldg(nw + i);
+            const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = __bfloat1622float2(np[e]);
+                sq += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
+                xs[2 * e] *= f.x;
+                xs[2 * e + 1] *= f.y;
+            }
             const uint4 wv = __ldg(w + i);
             const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
-            const float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
-            const float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
-            acc += w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x +
-                   w2.y * b.y + w3.x * b.z + w3.y * b.w;
-        }
-    } else {
-#pragma unroll 4
-        for (int i = lane + WARP * part; i < k / 8; i += WARP * split) {
-            float xs[8];
-            load_x8(x, norm_w, i, xs, &sq);
-            acc += dot8_regs(__ldg(w + i), xs);
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float2 f = __bfloat1622float2(p[e]);
+                acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
+            }
         }
     }
     *dot = acc;

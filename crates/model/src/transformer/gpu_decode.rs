@@ -15,9 +15,8 @@
 //! type, heads wider than 128) keeps candle's path; `SHOAL_GPU_DECODE=candle` forces it,
 //! and `SHOAL_CUDA_GRAPHS=0` launches the same kernels one by one (to compare).
 
-use std::sync::Arc;
-
 use std::cell::Cell;
+use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::sys::{
     self as cu, CUgraphInstantiate_flags, CUstreamCaptureMode,
