@@ -11,7 +11,8 @@
 #       MODES="graphs nopdl" programmatic dependent launch on and off
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
-#       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md
+#       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
+#       every kernel of one 512-token prompt instead
 #   scripts/gpu-check.sh batch [SHAPE:DTYPE...] one GPU: generation of BATCHES (default
 #       "1 8 32") sequences decoding together (bench --local --batch), total tok/s:
 #       $OUT/batch.jsonl
@@ -147,12 +148,19 @@ if [ "$what" = profile ]; then
   for one in ${@:-qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
     IFS=: read -r shape dt <<<"$one"
     file=$(model_file "$shape" "$dt")
-    # Decode kernels only (shoal_*), launched eagerly, past the first 1200 (a few tokens):
-    # the prompt (candle's path) launches none of them.
-    SHOAL_CUDA_GRAPHS=0 timeout "${PROFILE_TIMEOUT:-300}" "$ncu" --clock-control none --kernel-name regex:shoal_ \
-      --launch-skip 1200 --launch-count 1200 --csv --page raw --print-units base \
+    if [ "${PROFILE:-decode}" = prefill ]; then
+      # Every kernel of one 512-token prompt (the warm-up run; no generation).
+      select=(--launch-count "${COUNT:-3000}") run=(--pp 512 --tg 0 -r 0)
+    else
+      # Decode kernels only (shoal_*), launched eagerly, past the first 1200 (a few
+      # tokens): the prompt (candle's path) launches none of them.
+      select=(--kernel-name regex:shoal_ --launch-skip 1200 --launch-count 1200)
+      run=(--pp 512 --tg 64 -r 1)
+    fi
+    SHOAL_CUDA_GRAPHS=0 timeout "${PROFILE_TIMEOUT:-300}" "$ncu" --clock-control none "${select[@]}" \
+      --csv --page raw --print-units base \
       --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size \
-      /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 --pp 512 --tg 64 -r 1 \
+      /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 "${run[@]}" \
       >"$out/profile-$shape-$dt.csv" 2>"$out/profile-err.txt"
     echo "ncu exit $? for $one"; tail -3 "$out/profile-err.txt"
     done_with "$file"

@@ -225,7 +225,22 @@ impl QLinear {
 
     /// `x`: `(.., in_features)` f32; returns `(.., out_features)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match &self.weight {
+        let y = self.forward_without_bias(x)?;
+        self.add_bias(y)
+    }
+
+    /// [`QLinear::forward`] less the bias (a kernel that follows adds it).
+    pub(crate) fn forward_without_bias(&self, x: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Matrix::Candle(QMatMul::QTensor(q)) = &self.weight
+            && crate::transformer::gpu_prefill::applies(x.device(), x.dtype())
+            && x.elem_count() / self.in_features.max(1)
+                >= crate::transformer::gpu_prefill::DEQUANT_MIN_ROWS
+            && let Some(w) = crate::transformer::gpu_prefill::dequantize(q)?
+        {
+            return Ok(x.apply(&QMatMul::Tensor(w))?);
+        }
+        Ok(match &self.weight {
             // candle's quantized kernels take f32 activations.
             Matrix::Candle(m @ QMatMul::QTensor(_)) if x.dtype() != DType::F32 => {
                 x.to_dtype(DType::F32)?.apply(m)?.to_dtype(x.dtype())?
@@ -248,7 +263,6 @@ impl QLinear {
                 dims.push(self.out_features);
                 Tensor::from_vec(out, dims, &Device::Cpu)?
             }
-        };
-        self.add_bias(y)
+        })
     }
 }

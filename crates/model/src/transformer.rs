@@ -12,6 +12,8 @@ use crate::linear::{KernelChoice, Matrix, shoal_matrix};
 mod batch;
 #[cfg(feature = "cuda")]
 mod gpu_decode;
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu_prefill;
 mod ring;
 mod row_attention;
 
@@ -631,8 +633,48 @@ impl Model {
         x: &Tensor,
         pieces: &[Range<usize>],
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let [only] = pieces
+            && let Some(heads) = self.gpu_qkv_heads(layer, x, only.start)?
+        {
+            return Ok(heads);
+        }
         let (q, k, v) = self.qkv_rows(layer, x)?;
         self.qkv_heads(layer, q, k, v, pieces)
+    }
+
+    /// [`Self::project_qkv`] on the GPU's prefill kernels: the projections without their
+    /// biases, then one kernel a projection for bias, heads and rotary embedding; `None`
+    /// where they do not apply (the CPU, f32, a model that norms its queries and keys).
+    #[cfg(feature = "cuda")]
+    fn gpu_qkv_heads(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        pos: usize,
+    ) -> Result<Option<(Tensor, Tensor, Tensor)>> {
+        let a = &layer.attn;
+        if !gpu_prefill::applies(x.device(), x.dtype()) || a.q_norm.is_some() || a.k_norm.is_some()
+        {
+            return Ok(None);
+        }
+        let h = layer.attn_norm.forward(x)?;
+        let hd = self.config.head_dim;
+        let (nh, nkv) = self.local_heads();
+        let rope = gpu_prefill::RopeAt {
+            cos: &self.rope.cos,
+            sin: &self.rope.sin,
+            interleaved: self.rope.style == RopeStyle::Interleaved,
+            pos,
+        };
+        let heads = |l: &QLinear, n: usize, rope: Option<&gpu_prefill::RopeAt<'_>>| {
+            gpu_prefill::to_heads(&l.forward_without_bias(&h)?, l.bias(), rope, n, hd)
+        };
+        Ok(Some((
+            heads(&a.q, nh, Some(&rope))?,
+            heads(&a.k, nkv, Some(&rope))?,
+            heads(&a.v, nkv, None)?,
+        )))
     }
 
     /// The normed input's query, key and value projections `(t, heads * head_dim)`, as
@@ -702,7 +744,7 @@ impl Model {
         let [gate, up]: [Tensor; 2] = QLinear::forward_many(&[&layer.gate, &layer.up], &h)?
             .try_into()
             .map_err(|_| ModelError::Invalid("two projections, two outputs".into()))?;
-        let ff = (candle_nn::ops::silu(&gate)? * up)?;
+        let ff = silu_mul(&gate, &up)?;
         Ok((x + reduce(layer.down.forward(&ff)?, links)?)?)
     }
 
@@ -747,6 +789,14 @@ impl Model {
         let g = c.group_size();
         let q = q.reshape((nkv, g * t, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
+        #[cfg(feature = "cuda")]
+        if gpu_prefill::applies(q.device(), q.dtype()) {
+            // Causal by position inside the softmax kernel (no mask was made).
+            let scores = q.matmul(&k_all.t()?)?;
+            let probs = gpu_prefill::causal_softmax(&scores, t, scale as f32)?;
+            let out = probs.matmul(&v_all.contiguous()?)?;
+            return gpu_prefill::from_heads(&out.reshape((nh, t, hd))?);
+        }
         let scores = (q.matmul(&k_all.t()?)? * scale)?;
         let scores = match mask {
             Some(m) => scores.broadcast_add(m)?,
@@ -833,11 +883,25 @@ fn reduce(y: Tensor, links: &mut Option<&mut dyn ShardLinks>) -> Result<Tensor> 
     }
 }
 
+/// `silu(gate) · up`: one kernel on the GPU in bf16, candle's two operations elsewhere.
+fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if gpu_prefill::applies(gate.device(), gate.dtype()) {
+        return gpu_prefill::silu_mul(gate, up);
+    }
+    Ok((candle_nn::ops::silu(gate)? * up)?)
+}
+
 /// Additive causal mask `(group * t, pos + t)` for queries at `pos..pos + t`, laid out as
 /// the grouped attention sees them (row `r` is query position `pos + r % t`); `None` when
 /// a single query sees everything.
 fn causal_mask(t: usize, pos: usize, group: usize, compute: &Compute) -> Result<Option<Tensor>> {
-    // The CPU's row attention is causal by position and needs no mask.
+    // The CPU's row attention, and the GPU's softmax kernel in bf16, are causal by
+    // position and need no mask.
+    #[cfg(feature = "cuda")]
+    if gpu_prefill::applies(&compute.device, compute.dtype) {
+        return Ok(None);
+    }
     if t <= 1 || (compute.device.is_cpu() && compute.dtype == DType::F32) {
         return Ok(None);
     }

@@ -231,6 +231,69 @@ fn graph_replay_equals_eager_decoding_and_the_cpu() {
     }
 }
 
+/// A long prompt on the GPU's many-row kernels (attention probabilities causal by
+/// position in one kernel, rows to heads with bias and rope, SiLU·up) and, from 128 rows
+/// a product, GGUF blocks dequantized to bf16 for cuBLAS: a 150-token chunk then a
+/// 50-token one (candle's 8-bit kernels), every position's logits within bf16 tolerance
+/// of the CPU in f32.
+#[test]
+fn long_prompt_chunks_on_the_gpu_match_the_cpu() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-prefill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let prompt: Vec<u32> = (0..200).map(|i| (i * 37 + 11) % 500).collect();
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ] {
+        for wt in [
+            GgmlDType::F32,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let path = dir.join(format!("{}-{wt:?}.gguf", arch.name()));
+            write_synthetic_gguf(&decode_shape(arch), wt, 7, &path).expect("write");
+            let file = GgufFile::open(&path).expect("open");
+            let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
+            unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+            let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+            let gpu = Model::load_on(&file, spec, 256, &bf16_gpu).expect("gpu");
+            let run = |m: &Model| {
+                let mut c = m.new_cache();
+                let first = rows(&m.forward(&prompt[..150], &mut c, true).expect("chunk 1"));
+                let second = rows(&m.forward(&prompt[150..], &mut c, true).expect("chunk 2"));
+                (first, second)
+            };
+            let (want1, want2) = run(&cpu);
+            let (got1, got2) = run(&gpu);
+            let (e1, scale) = max_err(&want1, &got1);
+            let (e2, _) = max_err(&want2, &got2);
+            eprintln!(
+                "{} {wt:?}: 150-token chunk off the CPU by {e1:.2e}, the 50 after it by {e2:.2e} \
+                 (scale {scale:.2})",
+                arch.name()
+            );
+            // The first chunk's products are bf16 (dequantized weights); the second's
+            // quantized ones take 8-bit activations.
+            assert!(
+                e1 <= 8e-2 * scale,
+                "{} {wt:?}: {e1} (scale {scale})",
+                arch.name()
+            );
+            let tol2 = if wt == GgmlDType::F32 { 8e-2 } else { 1.5e-1 };
+            assert!(
+                e2 <= tol2 * scale,
+                "{} {wt:?}: {e2} (scale {scale})",
+                arch.name()
+            );
+        }
+    }
+}
+
 /// Decode rows of four sequences in one batched forward pass (`forward_layers_batch`, as
 /// a runner's step of streams runs it): every sequence at its own position with its own
 /// cache (prompts of 5 to 70 tokens, so capacities differ and one doubles mid-way), rope,
