@@ -200,6 +200,15 @@ __device__ __forceinline__ float3 group_sum(float a, float b, float c, int split
 
 // The row's dot product with x (times the norm's weights where `norm_w` is given) and the
 // sum of squares of the x it saw (for the RMSNorm folded into the product).
+// Weight rows are read once a step: `STREAM` loads them evict-first (`__ldcs`), which
+// leaves L1 to the activation row every warp of the block re-reads; otherwise through the
+// read-only path (`__ldg`). `SHOAL_GPU_LDCS=1` picks the streaming kernels (to compare).
+template <bool STREAM>
+__device__ __forceinline__ uint4 load_w(const uint4* p) {
+    return STREAM ? __ldcs(p) : __ldg(p);
+}
+
+template <bool STREAM>
 __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
                                              const float* __restrict__ x,
                                              const bf16* __restrict__ norm_w, int k,
@@ -211,7 +220,7 @@ __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
     if (norm_w == nullptr) {
 #pragma unroll 4
         for (int i = lane + WARP * part; i < n8; i += WARP * split)
-            acc += dot8(__ldg(w + i), x + 8 * i);
+            acc += dot8(load_w<STREAM>(w + i), x + 8 * i);
     } else {
         const uint4* nw = reinterpret_cast<const uint4*>(norm_w);
 #pragma unroll 4
@@ -230,7 +239,7 @@ __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
                 xs[2 * e] *= f.x;
                 xs[2 * e + 1] *= f.y;
             }
-            const uint4 wv = __ldg(w + i);
+            const uint4 wv = load_w<STREAM>(w + i);
             const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
@@ -261,10 +270,11 @@ __device__ __forceinline__ int segment(const int rows[3], int* r) {
 
 // y = [W0; W1; W2] norm(x) (+ bias) (+ residual), norm(x) = x / rms(x) * norm_w where
 // norm_w is given, else x.
-extern "C" __global__ void shoal_matvec_bf16(Segments seg, const float* __restrict__ x,
-                                             const bf16* __restrict__ norm_w, float eps,
-                                             const float* __restrict__ residual,
-                                             float* __restrict__ y, int k, int split) {
+template <bool STREAM>
+__device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restrict__ x,
+                                            const bf16* __restrict__ norm_w, float eps,
+                                            const float* __restrict__ residual,
+                                            float* __restrict__ y, int k, int split) {
     const RowSlot slot = row_slot(split);
     int r = slot.row;
     const int s = segment(seg.rows, &r);
@@ -275,7 +285,8 @@ extern "C" __global__ void shoal_matvec_bf16(Segments seg, const float* __restri
     // No prefetch here: bf16 rows are long, and asking for whole rows twice cost the
     // llama-8B shape ~10% (its mat-vecs are bandwidth-bound, not latency-bound).
     begin_step();
-    if (s < 3) row_dot_bf16(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
+    if (s < 3)
+        row_dot_bf16<STREAM>(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
     const float3 t = group_sum(dot, ss, 0.f, split);
     if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
         float v = t.x;
@@ -290,19 +301,20 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 
 // y[r] = silu(gate_r . norm(x)) * (up_r . norm(x)). (One pass over both rows, x read once
 // for the two, was tried: llama-8B bf16 fell from 194 to 172 tok/s.)
-extern "C" __global__ void shoal_gate_up_bf16(const bf16* __restrict__ gate,
-                                              const bf16* __restrict__ up,
-                                              const float* __restrict__ x,
-                                              const bf16* __restrict__ norm_w, float eps,
-                                              float* __restrict__ y, int rows, int k,
-                                              int split) {
+template <bool STREAM>
+__device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
+                                             const bf16* __restrict__ up,
+                                             const float* __restrict__ x,
+                                             const bf16* __restrict__ norm_w, float eps,
+                                             float* __restrict__ y, int rows, int k,
+                                             int split) {
     const RowSlot slot = row_slot(split);
     const int r = slot.row;
     begin_step();
     float g = 0.f, u = 0.f, ss = 0.f;
     if (r < rows) {
-        row_dot_bf16(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g, &ss);
-        row_dot_bf16(up + (size_t)r * k, x, norm_w, k, slot.part, split, &u, &ss);
+        row_dot_bf16<STREAM>(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g, &ss);
+        row_dot_bf16<STREAM>(up + (size_t)r * k, x, norm_w, k, slot.part, split, &u, &ss);
     }
     // Both products saw the same x: `ss` holds its sum of squares once.
     const float3 t = group_sum(g, u, ss, split);
@@ -311,6 +323,26 @@ extern "C" __global__ void shoal_gate_up_bf16(const bf16* __restrict__ gate,
         y[r] = silu(t.x * inv) * (t.y * inv);
     }
 }
+
+#define MATVEC_BF16(NAME, STREAM)                                                         \
+    extern "C" __global__ void NAME(Segments seg, const float* __restrict__ x,               \
+                                    const bf16* __restrict__ norm_w, float eps,              \
+                                    const float* __restrict__ residual,                      \
+                                    float* __restrict__ y, int k, int split) {               \
+        matvec_bf16<STREAM>(seg, x, norm_w, eps, residual, y, k, split);                     \
+    }
+MATVEC_BF16(shoal_matvec_bf16, false)
+MATVEC_BF16(shoal_matvec_bf16_cs, true)
+
+#define GATE_UP_BF16(NAME, STREAM)                                                        \
+    extern "C" __global__ void NAME(const bf16* __restrict__ gate, const bf16* __restrict__ up, \
+                                    const float* __restrict__ x,                             \
+                                    const bf16* __restrict__ norm_w, float eps,              \
+                                    float* __restrict__ y, int rows, int k, int split) {     \
+        gate_up_bf16<STREAM>(gate, up, x, norm_w, eps, y, rows, k, split);                   \
+    }
+GATE_UP_BF16(shoal_gate_up_bf16, false)
+GATE_UP_BF16(shoal_gate_up_bf16_cs, true)
 
 // ---------------------------------------------------------------------------------------
 // Quantized mat-vecs against the 8-bit row (xq, per-32 (scale, scale * sum)).
