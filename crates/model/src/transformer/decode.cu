@@ -201,14 +201,16 @@ __device__ __forceinline__ float3 group_sum(float a, float b, float c, int split
 // The row's dot product with x (times the norm's weights where `norm_w` is given) and the
 // sum of squares of the x it saw (for the RMSNorm folded into the product).
 // Weight rows are read once a step: `STREAM` loads them evict-first (`__ldcs`), which
-// leaves L1 to the activation row every warp of the block re-reads; otherwise through the
-// read-only path (`__ldg`). `SHOAL_GPU_LDCS=1` picks the streaming kernels (to compare).
+// leaves L1 to the activation row every warp of the block re-reads (llama-8B bf16: 198.7
+// -> 206-208 tok/s, against the read-only path, `__ldg`). `SHOAL_GPU_LDG=1` picks the
+// `__ldg` kernels, `SHOAL_GPU_UNROLL8=1` `__ldg` with 8 loads of 16 bytes in flight a lane,
+// not 4 (203-205), to compare.
 template <bool STREAM>
 __device__ __forceinline__ uint4 load_w(const uint4* p) {
     return STREAM ? __ldcs(p) : __ldg(p);
 }
 
-template <bool STREAM>
+template <bool STREAM, int UNROLL>
 __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
                                              const float* __restrict__ x,
                                              const bf16* __restrict__ norm_w, int k,
@@ -218,12 +220,12 @@ __device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
     float acc = 0.f, sq = 0.f;
     const int n8 = k / 8;
     if (norm_w == nullptr) {
-#pragma unroll 4
+#pragma unroll UNROLL
         for (int i = lane + WARP * part; i < n8; i += WARP * split)
             acc += dot8(load_w<STREAM>(w + i), x + 8 * i);
     } else {
         const uint4* nw = reinterpret_cast<const uint4*>(norm_w);
-#pragma unroll 4
+#pragma unroll UNROLL
         for (int i = lane + WARP * part; i < n8; i += WARP * split) {
             float xs[8];
             const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
@@ -270,7 +272,7 @@ __device__ __forceinline__ int segment(const int rows[3], int* r) {
 
 // y = [W0; W1; W2] norm(x) (+ bias) (+ residual), norm(x) = x / rms(x) * norm_w where
 // norm_w is given, else x.
-template <bool STREAM>
+template <bool STREAM, int UNROLL>
 __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restrict__ x,
                                             const bf16* __restrict__ norm_w, float eps,
                                             const float* __restrict__ residual,
@@ -286,7 +288,7 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
     // llama-8B shape ~10% (its mat-vecs are bandwidth-bound, not latency-bound).
     begin_step();
     if (s < 3)
-        row_dot_bf16<STREAM>(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
+        row_dot_bf16<STREAM, UNROLL>(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
     const float3 t = group_sum(dot, ss, 0.f, split);
     if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
         float v = t.x;
@@ -301,7 +303,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 
 // y[r] = silu(gate_r . norm(x)) * (up_r . norm(x)). (One pass over both rows, x read once
 // for the two, was tried: llama-8B bf16 fell from 194 to 172 tok/s.)
-template <bool STREAM>
+template <bool STREAM, int UNROLL>
 __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
                                              const bf16* __restrict__ up,
                                              const float* __restrict__ x,
@@ -313,8 +315,10 @@ __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
     begin_step();
     float g = 0.f, u = 0.f, ss = 0.f;
     if (r < rows) {
-        row_dot_bf16<STREAM>(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g, &ss);
-        row_dot_bf16<STREAM>(up + (size_t)r * k, x, norm_w, k, slot.part, split, &u, &ss);
+        row_dot_bf16<STREAM, UNROLL>(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g,
+                                     &ss);
+        row_dot_bf16<STREAM, UNROLL>(up + (size_t)r * k, x, norm_w, k, slot.part, split, &u,
+                                     &ss);
     }
     // Both products saw the same x: `ss` holds its sum of squares once.
     const float3 t = group_sum(g, u, ss, split);
@@ -324,25 +328,27 @@ __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
     }
 }
 
-#define MATVEC_BF16(NAME, STREAM)                                                         \
+#define MATVEC_BF16(NAME, STREAM, UNROLL)                                                         \
     extern "C" __global__ void NAME(Segments seg, const float* __restrict__ x,               \
                                     const bf16* __restrict__ norm_w, float eps,              \
                                     const float* __restrict__ residual,                      \
                                     float* __restrict__ y, int k, int split) {               \
-        matvec_bf16<STREAM>(seg, x, norm_w, eps, residual, y, k, split);                     \
+        matvec_bf16<STREAM, UNROLL>(seg, x, norm_w, eps, residual, y, k, split);                     \
     }
-MATVEC_BF16(shoal_matvec_bf16, false)
-MATVEC_BF16(shoal_matvec_bf16_cs, true)
+MATVEC_BF16(shoal_matvec_bf16, true, 4)
+MATVEC_BF16(shoal_matvec_bf16_ldg, false, 4)
+MATVEC_BF16(shoal_matvec_bf16_u8, false, 8)
 
-#define GATE_UP_BF16(NAME, STREAM)                                                        \
+#define GATE_UP_BF16(NAME, STREAM, UNROLL)                                                        \
     extern "C" __global__ void NAME(const bf16* __restrict__ gate, const bf16* __restrict__ up, \
                                     const float* __restrict__ x,                             \
                                     const bf16* __restrict__ norm_w, float eps,              \
                                     float* __restrict__ y, int rows, int k, int split) {     \
-        gate_up_bf16<STREAM>(gate, up, x, norm_w, eps, y, rows, k, split);                   \
+        gate_up_bf16<STREAM, UNROLL>(gate, up, x, norm_w, eps, y, rows, k, split);                   \
     }
-GATE_UP_BF16(shoal_gate_up_bf16, false)
-GATE_UP_BF16(shoal_gate_up_bf16_cs, true)
+GATE_UP_BF16(shoal_gate_up_bf16, true, 4)
+GATE_UP_BF16(shoal_gate_up_bf16_ldg, false, 4)
+GATE_UP_BF16(shoal_gate_up_bf16_u8, false, 8)
 
 // ---------------------------------------------------------------------------------------
 // Quantized mat-vecs against the 8-bit row (xq, per-32 (scale, scale * sum)).

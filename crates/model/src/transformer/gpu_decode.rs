@@ -110,22 +110,21 @@ impl Kernels {
                 .get_or_load_custom_func(name, MODULE, PTX)?
                 .into_cuda_function())
         };
-        // bf16 rows loaded evict-first (`decode.cu`'s `load_w`), to compare.
-        let stream = std::env::var("SHOAL_GPU_LDCS").as_deref() == Ok("1");
+        // Variants of the bf16 mat-vecs, to compare (`decode.cu`'s `load_w`).
+        let on = |var: &str| std::env::var(var).as_deref() == Ok("1");
+        let variant = if on("SHOAL_GPU_LDG") {
+            "_ldg"
+        } else if on("SHOAL_GPU_UNROLL8") {
+            "_u8"
+        } else {
+            ""
+        };
         Ok(Self {
             rmsnorm: f("shoal_rmsnorm")?,
             quantize: f("shoal_quantize_q8")?,
-            matvec_bf16: f(if stream {
-                "shoal_matvec_bf16_cs"
-            } else {
-                "shoal_matvec_bf16"
-            })?,
+            matvec_bf16: f(&format!("shoal_matvec_bf16{variant}"))?,
             matvec_quant: f("shoal_matvec_quant")?,
-            gate_up_bf16: f(if stream {
-                "shoal_gate_up_bf16_cs"
-            } else {
-                "shoal_gate_up_bf16"
-            })?,
+            gate_up_bf16: f(&format!("shoal_gate_up_bf16{variant}"))?,
             gate_up_quant: f("shoal_gate_up_quant")?,
             rope_append: f("shoal_rope_append")?,
             attention: f("shoal_attention")?,
