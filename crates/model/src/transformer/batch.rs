@@ -7,7 +7,16 @@ use candle_core::Tensor;
 use shoal_kernels::Rows;
 
 use super::{DecoderLayer, Model, causal_mask};
-use crate::{KvCache, ModelError, Result, ShardLinks};
+use crate::{KvCache, ModelError, Result, RopeStyle, ShardLinks};
+
+/// Where a batch's sequences are: each one's first new position, attention mask, and
+/// for decode rows on the CPU the rotary tables' rows ([`Model::decode_rope`]).
+#[derive(Clone, Copy)]
+struct Positions<'a> {
+    starts: &'a [usize],
+    masks: &'a [Option<Tensor>],
+    rope: Option<&'a (Tensor, Tensor)>,
+}
 
 /// One sequence's share of a batched forward ([`Model::forward_layers_batch`]): its cache
 /// and how many of the batch's rows are its new positions.
@@ -110,11 +119,81 @@ impl Model {
         masks: &[Option<Tensor>],
         links: &mut Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
+        let rope = self.decode_rope(parts, starts)?;
         let mut x = hidden;
         for layer in &self.layers {
-            x = self.layer_forward_batch(layer, &x, parts, starts, masks, links)?;
+            let at = Positions {
+                starts,
+                masks,
+                rope: rope.as_ref(),
+            };
+            x = self.layer_forward_batch(layer, &x, parts, &at, links)?;
         }
         Ok(x)
+    }
+
+    /// For a batch of decode rows on the CPU (one row a sequence, two sequences or more):
+    /// the rotary tables' rows at each sequence's position, `(sequences, 1, head_dim / 2)`,
+    /// so that a layer ropes every sequence's heads in one operation (candle's rope with
+    /// a table row per batch entry: the same arithmetic as one sequence alone). `None`
+    /// otherwise.
+    fn decode_rope(
+        &self,
+        parts: &[BatchPart<'_>],
+        starts: &[usize],
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        if !self.compute.device.is_cpu() || parts.len() < 2 || parts.iter().any(|p| p.rows != 1) {
+            return Ok(None);
+        }
+        let at: Vec<u32> = starts.iter().map(|&p| p as u32).collect();
+        let at = Tensor::new(at.as_slice(), &self.compute.device)?;
+        let n = starts.len();
+        let rows = |table: &Tensor| -> Result<Tensor> {
+            let half = table.dim(1)?;
+            Ok(table.index_select(&at, 0)?.reshape((n, 1, half))?)
+        };
+        Ok(Some((rows(&self.rope.cos)?, rows(&self.rope.sin)?)))
+    }
+
+    /// Every decode row's queries, keys and values as heads `(heads, 1, head_dim)`, normed
+    /// where the model norms them, roped at its sequence's position (`rope`: the tables'
+    /// rows, [`Self::decode_rope`]): a handful of operations for the whole batch where
+    /// one sequence at a time took a dozen each.
+    fn decode_heads(
+        &self,
+        layer: &DecoderLayer,
+        (q, k, v): (Tensor, Tensor, Tensor),
+        rope: &(Tensor, Tensor),
+    ) -> Result<Vec<(Tensor, Tensor, Tensor)>> {
+        let n = q.dim(0)?;
+        let hd = self.config.head_dim;
+        let (nh, nkv) = self.local_heads();
+        let a = &layer.attn;
+        // (n, heads * hd) -> (n, heads, 1, hd): one row a sequence, so no transpose.
+        let mut q = q.reshape((n, nh, 1, hd))?;
+        let mut k = k.reshape((n, nkv, 1, hd))?;
+        let v = v.reshape((n, nkv, 1, hd))?;
+        if let Some(norm) = &a.q_norm {
+            q = norm.forward(&q)?;
+        }
+        if let Some(norm) = &a.k_norm {
+            k = norm.forward(&k)?;
+        }
+        let (cos, sin) = rope;
+        let apply = |x: &Tensor| -> Result<Tensor> {
+            let x = x.contiguous()?;
+            Ok(match self.rope.style {
+                RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
+                RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+            })
+        };
+        let (q, k) = (apply(&q)?, apply(&k)?);
+        (0..n)
+            .map(|i| {
+                let one = |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(0, i, 1)?.squeeze(0)?) };
+                Ok((one(&q)?, one(&k)?, one(&v)?))
+            })
+            .collect()
     }
 
     /// The decode rows as one batch (single-token paths), then the prompt rows, the
@@ -177,12 +256,29 @@ impl Model {
         layer: &DecoderLayer,
         x: &Tensor,
         parts: &mut [BatchPart<'_>],
-        starts: &[usize],
-        masks: &[Option<Tensor>],
+        at: &Positions<'_>,
         links: &mut Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
+        let Positions {
+            starts,
+            masks,
+            rope,
+        } = *at;
         let (q, k, v) = self.qkv_rows(layer, x)?;
         let mut heads = Vec::with_capacity(parts.len());
+        if let Some(rope) = rope {
+            for (part, (qi, ki, vi)) in
+                parts
+                    .iter_mut()
+                    .zip(self.decode_heads(layer, (q, k, v), rope)?)
+            {
+                let (k_all, v_all) = part.cache.append(layer.index, &ki, &vi)?;
+                heads.push((qi, k_all, v_all));
+            }
+            let outs = self.attend_each(&heads, masks)?;
+            let out = Tensor::cat(&outs, 0)?;
+            return self.finish_layer(layer, x, &out, links);
+        }
         let mut row = 0;
         for (i, part) in parts.iter_mut().enumerate() {
             let (r, pos) = (part.rows, starts[i]);
