@@ -8,6 +8,8 @@
 # Expects gpu-bin/shoal.xz (scripts/build-cuda.sh) and gpu-bin/llama-bench.xz (from
 # ../shared/tools/llamacpp-cuda.sh, copied there), carried; writes $OUT/$NAME.md and
 # $OUT/$NAME.jsonl (NAME default side-by-side). REPEAT (default 3) runs each, medians.
+# With gpu-bin/gpu-test.xz carried too (the three fit the 64 MiB carry), the GPU tests run
+# first and a failure stops the call: $OUT/gpu-test.txt.
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 out=${OUT:-/tmp/out}
@@ -17,9 +19,18 @@ unpack() { # name
   python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "gpu-bin/$1.xz" "/tmp/$1"
   chmod +x "/tmp/$1"
 }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+if [ -e gpu-bin/gpu-test.xz ]; then
+  unpack gpu-test
+  /tmp/gpu-test --nocapture >"$out/gpu-test.txt" 2>&1 || {
+    tail -30 "$out/gpu-test.txt"
+    echo "GPU tests failed: no side-by-side"
+    exit 1
+  }
+  grep "test result" "$out/gpu-test.txt"
+fi
 unpack shoal
 unpack llama-bench
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 rows=("$@")
 [ ${#rows[@]} -gt 0 ] || rows=(llama-8b:bf16 llama-8b:q4k qwen2.5-1.5b:bf16 qwen2.5-1.5b:q4k)
 name=${NAME:-side-by-side}   # what the results are called in $OUT
