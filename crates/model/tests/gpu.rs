@@ -134,6 +134,35 @@ fn decode_shape(arch: Architecture) -> SyntheticShape {
     }
 }
 
+/// The decode shape of every architecture in every weight type the GPU kernels read
+/// (written under a directory named by `tag`, weights from `seed`), each with its whole-
+/// model spec. Sets `SHOAL_KERNELS=dense`: the CPU reference dequantizes, as the GPU does.
+fn decode_models(tag: &str, seed: u64) -> Vec<(Architecture, GgmlDType, GgufFile, LoadSpec)> {
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+    let mut models = Vec::new();
+    for arch in [
+        Architecture::Llama,
+        Architecture::Qwen2,
+        Architecture::Qwen3,
+    ] {
+        for wt in [
+            GgmlDType::F32,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+        ] {
+            let path = dir.join(format!("{}-{wt:?}.gguf", arch.name()));
+            write_synthetic_gguf(&decode_shape(arch), wt, seed, &path).expect("write");
+            let file = GgufFile::open(&path).expect("open");
+            let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
+            models.push((arch, wt, file, spec));
+        }
+    }
+    models
+}
+
 /// Logits of every decode step after a prompt, the decoded tokens given (the CPU's
 /// greedy answer), so every path sees the same sequence.
 fn decode_logits(model: &Model, prompt: &[u32], tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -163,71 +192,53 @@ fn graph_replay_equals_eager_decoding_and_the_cpu() {
     let Some(bf16_gpu) = gpu(DType::BF16) else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("shoal-gpu-decode-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
     let prompt: Vec<u32> = (0..23).map(|i| (i * 37 + 11) % 500).collect();
     const STEPS: usize = 64;
-    for arch in [
-        Architecture::Llama,
-        Architecture::Qwen2,
-        Architecture::Qwen3,
-    ] {
-        for wt in [
-            GgmlDType::F32,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q6K,
-        ] {
-            let path = dir.join(format!("{}-{wt:?}.gguf", arch.name()));
-            write_synthetic_gguf(&decode_shape(arch), wt, 5, &path).expect("write");
-            let file = GgufFile::open(&path).expect("open");
-            let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
-            unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
-            let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
-            // The CPU's greedy answer is the sequence every path decodes.
-            let mut tokens = vec![prompt[prompt.len() - 1]];
-            let mut cache = cpu.new_cache();
-            let mut logits = cpu
-                .forward(&prompt, &mut cache, false)
-                .expect("cpu prefill");
-            for _ in 0..STEPS {
-                let next = argmax(&rows(&logits)[0]);
-                tokens.push(next);
-                logits = cpu.forward(&[next], &mut cache, false).expect("cpu decode");
-            }
-            let tokens = &tokens[1..];
-            let want = decode_logits(&cpu, &prompt, tokens);
-            let load = |mode: GpuDecode| {
-                let mut m = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
-                m.set_gpu_decode(mode);
-                m
-            };
-            let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, tokens);
-            let eager = decode_logits(&load(GpuDecode::Eager), &prompt, tokens);
-            let candle = decode_logits(&load(GpuDecode::Candle), &prompt, tokens);
-            let (e_cpu, scale) = max_err(&want, &graphs);
-            let (e_candle, _) = max_err(&want, &candle);
-            eprintln!(
-                "{} {wt:?}: {STEPS} steps, graph vs CPU f32 {e_cpu:.2e}, candle's bf16 path vs CPU \
-                 {e_candle:.2e} (scale {scale:.2})",
-                arch.name()
-            );
-            assert_eq!(
-                graphs,
-                eager,
-                "{} {wt:?}: graph replay differs from eager",
-                arch.name()
-            );
-            let greedy = |l: &[Vec<f32>]| l.iter().map(|r| argmax(r)).collect::<Vec<_>>();
-            assert_eq!(greedy(&graphs), greedy(&eager), "{} {wt:?}", arch.name());
-            // bf16 weights as candle's bf16 path; quantized ones add 8-bit activations.
-            let tol = if wt == GgmlDType::F32 { 8e-2 } else { 1.5e-1 };
-            assert!(
-                e_cpu <= tol * scale,
-                "{} {wt:?}: graph decode off the CPU by {e_cpu} (scale {scale})",
-                arch.name()
-            );
+    for (arch, wt, file, spec) in decode_models("decode", 5) {
+        let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+        // The CPU's greedy answer is the sequence every path decodes.
+        let mut tokens = vec![prompt[prompt.len() - 1]];
+        let mut cache = cpu.new_cache();
+        let mut logits = cpu
+            .forward(&prompt, &mut cache, false)
+            .expect("cpu prefill");
+        for _ in 0..STEPS {
+            let next = argmax(&rows(&logits)[0]);
+            tokens.push(next);
+            logits = cpu.forward(&[next], &mut cache, false).expect("cpu decode");
         }
+        let tokens = &tokens[1..];
+        let want = decode_logits(&cpu, &prompt, tokens);
+        let load = |mode: GpuDecode| {
+            let mut m = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
+            m.set_gpu_decode(mode);
+            m
+        };
+        let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, tokens);
+        let eager = decode_logits(&load(GpuDecode::Eager), &prompt, tokens);
+        let candle = decode_logits(&load(GpuDecode::Candle), &prompt, tokens);
+        let (e_cpu, scale) = max_err(&want, &graphs);
+        let (e_candle, _) = max_err(&want, &candle);
+        eprintln!(
+            "{} {wt:?}: {STEPS} steps, graph vs CPU f32 {e_cpu:.2e}, candle's bf16 path vs CPU \
+                 {e_candle:.2e} (scale {scale:.2})",
+            arch.name()
+        );
+        assert_eq!(
+            graphs,
+            eager,
+            "{} {wt:?}: graph replay differs from eager",
+            arch.name()
+        );
+        let greedy = |l: &[Vec<f32>]| l.iter().map(|r| argmax(r)).collect::<Vec<_>>();
+        assert_eq!(greedy(&graphs), greedy(&eager), "{} {wt:?}", arch.name());
+        // bf16 weights as candle's bf16 path; quantized ones add 8-bit activations.
+        let tol = if wt == GgmlDType::F32 { 8e-2 } else { 1.5e-1 };
+        assert!(
+            e_cpu <= tol * scale,
+            "{} {wt:?}: graph decode off the CPU by {e_cpu} (scale {scale})",
+            arch.name()
+        );
     }
 }
 
@@ -241,56 +252,38 @@ fn long_prompt_chunks_on_the_gpu_match_the_cpu() {
     let Some(bf16_gpu) = gpu(DType::BF16) else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("shoal-gpu-prefill-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
     let prompt: Vec<u32> = (0..200).map(|i| (i * 37 + 11) % 500).collect();
-    for arch in [
-        Architecture::Llama,
-        Architecture::Qwen2,
-        Architecture::Qwen3,
-    ] {
-        for wt in [
-            GgmlDType::F32,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q6K,
-        ] {
-            let path = dir.join(format!("{}-{wt:?}.gguf", arch.name()));
-            write_synthetic_gguf(&decode_shape(arch), wt, 7, &path).expect("write");
-            let file = GgufFile::open(&path).expect("open");
-            let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
-            unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
-            let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
-            let gpu = Model::load_on(&file, spec, 256, &bf16_gpu).expect("gpu");
-            let run = |m: &Model| {
-                let mut c = m.new_cache();
-                let first = rows(&m.forward(&prompt[..150], &mut c, true).expect("chunk 1"));
-                let second = rows(&m.forward(&prompt[150..], &mut c, true).expect("chunk 2"));
-                (first, second)
-            };
-            let (want1, want2) = run(&cpu);
-            let (got1, got2) = run(&gpu);
-            let (e1, scale) = max_err(&want1, &got1);
-            let (e2, _) = max_err(&want2, &got2);
-            eprintln!(
-                "{} {wt:?}: 150-token chunk off the CPU by {e1:.2e}, the 50 after it by {e2:.2e} \
+    for (arch, wt, file, spec) in decode_models("prefill", 7) {
+        let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+        let gpu = Model::load_on(&file, spec, 256, &bf16_gpu).expect("gpu");
+        let run = |m: &Model| {
+            let mut c = m.new_cache();
+            let first = rows(&m.forward(&prompt[..150], &mut c, true).expect("chunk 1"));
+            let second = rows(&m.forward(&prompt[150..], &mut c, true).expect("chunk 2"));
+            (first, second)
+        };
+        let (want1, want2) = run(&cpu);
+        let (got1, got2) = run(&gpu);
+        let (e1, scale) = max_err(&want1, &got1);
+        let (e2, _) = max_err(&want2, &got2);
+        eprintln!(
+            "{} {wt:?}: 150-token chunk off the CPU by {e1:.2e}, the 50 after it by {e2:.2e} \
                  (scale {scale:.2})",
-                arch.name()
-            );
-            // The first chunk's products are bf16 (dequantized weights); the second's
-            // quantized ones take 8-bit activations.
-            assert!(
-                e1 <= 8e-2 * scale,
-                "{} {wt:?}: {e1} (scale {scale})",
-                arch.name()
-            );
-            let tol2 = if wt == GgmlDType::F32 { 8e-2 } else { 1.5e-1 };
-            assert!(
-                e2 <= tol2 * scale,
-                "{} {wt:?}: {e2} (scale {scale})",
-                arch.name()
-            );
-        }
+            arch.name()
+        );
+        // The first chunk's products are bf16 (dequantized weights); the second's
+        // quantized ones take 8-bit activations.
+        assert!(
+            e1 <= 8e-2 * scale,
+            "{} {wt:?}: {e1} (scale {scale})",
+            arch.name()
+        );
+        let tol2 = if wt == GgmlDType::F32 { 8e-2 } else { 1.5e-1 };
+        assert!(
+            e2 <= tol2 * scale,
+            "{} {wt:?}: {e2} (scale {scale})",
+            arch.name()
+        );
     }
 }
 

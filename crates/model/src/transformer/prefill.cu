@@ -13,18 +13,6 @@ typedef __nv_bfloat16 bf16;
 
 #define WARP 32
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    return v;
-}
-
 // Attention probabilities from raw scores `q·k`, causal by position: `scores` is
 // (batches, rows, s) with rows = group * t, the query of row r sitting at position
 // s - t + r % t (the grouped layout of transformer.rs's `attend`), keys at 0..s. Each row
