@@ -27,6 +27,10 @@ pub(crate) fn row_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> R
 /// Work (query rows × keys, over all heads) from which the blocks are shared among the
 /// kernel threads.
 const PARALLEL_FROM: usize = 8192;
+/// The same for a batch's decode rows together ([`row_attention_many`]): their units are
+/// already many (a KV head of a sequence each), so sharing pays from less work — a batch
+/// of 8 short contexts (smollm2, ~80 keys) ran on one thread while the other waited.
+const PARALLEL_MANY_FROM: usize = 2048;
 /// Query positions per block: with the group's heads, the queries one key serves.
 const BLOCK_ROWS: usize = 8;
 
@@ -455,10 +459,15 @@ pub(crate) fn row_attention_many(
     let owner = |u: usize| first.partition_point(|&f| f <= u) - 1;
     // A unit's cost: the keys its rows see.
     let cost = |u: usize| problems[owner(u)].n + BLOCK_ROWS;
-    share_out(total, work >= PARALLEL_FROM, Some(&cost), &|u, scratch| {
-        let i = owner(u);
-        problems[i].block(u - first[i], scale, scratch, addrs[i] as *mut f32);
-    });
+    share_out(
+        total,
+        work >= PARALLEL_MANY_FROM,
+        Some(&cost),
+        &|u, scratch| {
+            let i = owner(u);
+            problems[i].block(u - first[i], scale, scratch, addrs[i] as *mut f32);
+        },
+    );
     drop(problems);
     drop(guards);
     outs.into_iter()
