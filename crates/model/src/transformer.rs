@@ -151,12 +151,17 @@ impl Rope {
         let t = x.dim(1)?;
         let cos = self.cos.narrow(0, pos, t)?;
         let sin = self.sin.narrow(0, pos, t)?;
-        let x = x.unsqueeze(0)?.contiguous()?;
-        let y = match self.style {
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
-            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
-        };
-        Ok(y.squeeze(0)?)
+        Ok(self.rotate(&x.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?)
+    }
+
+    /// `x`: `(batch, heads, t, head_dim)` rotated by table rows `cos`/`sin`: `(t, hd / 2)`
+    /// for every batch entry alike, or `(batch, t, hd / 2)` one set per entry.
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        Ok(match self.style {
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
+            RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
+        })
     }
 }
 

@@ -7,7 +7,7 @@ use candle_core::Tensor;
 use shoal_kernels::Rows;
 
 use super::{DecoderLayer, Model, causal_mask};
-use crate::{KvCache, ModelError, Result, RopeStyle, ShardLinks};
+use crate::{KvCache, ModelError, Result, ShardLinks};
 
 /// Where a batch's sequences are: each one's first new position, attention mask, and
 /// for decode rows on the CPU the rotary tables' rows ([`Model::decode_rope`]).
@@ -120,13 +120,13 @@ impl Model {
         links: &mut Option<&mut dyn ShardLinks>,
     ) -> Result<Tensor> {
         let rope = self.decode_rope(parts, starts)?;
+        let at = Positions {
+            starts,
+            masks,
+            rope: rope.as_ref(),
+        };
         let mut x = hidden;
         for layer in &self.layers {
-            let at = Positions {
-                starts,
-                masks,
-                rope: rope.as_ref(),
-            };
             x = self.layer_forward_batch(layer, &x, parts, &at, links)?;
         }
         Ok(x)
@@ -180,14 +180,10 @@ impl Model {
             k = norm.forward(&k)?;
         }
         let (cos, sin) = rope;
-        let apply = |x: &Tensor| -> Result<Tensor> {
-            let x = x.contiguous()?;
-            Ok(match self.rope.style {
-                RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin)?,
-                RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, cos, sin)?,
-            })
-        };
-        let (q, k) = (apply(&q)?, apply(&k)?);
+        let (q, k) = (
+            self.rope.rotate(&q, cos, sin)?,
+            self.rope.rotate(&k, cos, sin)?,
+        );
         (0..n)
             .map(|i| {
                 let one = |x: &Tensor| -> Result<Tensor> { Ok(x.narrow(0, i, 1)?.squeeze(0)?) };
@@ -265,34 +261,30 @@ impl Model {
             rope,
         } = *at;
         let (q, k, v) = self.qkv_rows(layer, x)?;
-        let mut heads = Vec::with_capacity(parts.len());
-        if let Some(rope) = rope {
-            for (part, (qi, ki, vi)) in
-                parts
-                    .iter_mut()
-                    .zip(self.decode_heads(layer, (q, k, v), rope)?)
-            {
-                let (k_all, v_all) = part.cache.append(layer.index, &ki, &vi)?;
-                heads.push((qi, k_all, v_all));
+        let new = match rope {
+            Some(rope) => self.decode_heads(layer, (q, k, v), rope)?,
+            None => {
+                let mut new = Vec::with_capacity(parts.len());
+                let mut row = 0;
+                for (part, &pos) in parts.iter().zip(starts) {
+                    let r = part.rows;
+                    let rows = |y: &Tensor| y.narrow(0, row, r);
+                    new.push(self.qkv_heads(
+                        layer,
+                        rows(&q)?,
+                        rows(&k)?,
+                        rows(&v)?,
+                        std::slice::from_ref(&(pos..pos + r)),
+                    )?);
+                    row += r;
+                }
+                new
             }
-            let outs = self.attend_each(&heads, masks)?;
-            let out = Tensor::cat(&outs, 0)?;
-            return self.finish_layer(layer, x, &out, links);
-        }
-        let mut row = 0;
-        for (i, part) in parts.iter_mut().enumerate() {
-            let (r, pos) = (part.rows, starts[i]);
-            let rows = |y: &Tensor| y.narrow(0, row, r);
-            let (qi, ki, vi) = self.qkv_heads(
-                layer,
-                rows(&q)?,
-                rows(&k)?,
-                rows(&v)?,
-                std::slice::from_ref(&(pos..pos + r)),
-            )?;
+        };
+        let mut heads = Vec::with_capacity(parts.len());
+        for (part, (qi, ki, vi)) in parts.iter_mut().zip(new) {
             let (k_all, v_all) = part.cache.append(layer.index, &ki, &vi)?;
             heads.push((qi, k_all, v_all));
-            row += r;
         }
         let outs = self.attend_each(&heads, masks)?;
         let out = Tensor::cat(&outs, 0)?;

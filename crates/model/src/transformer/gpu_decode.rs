@@ -744,8 +744,9 @@ fn split_for(rows: i32) -> i32 {
     }
 }
 
-/// A kernel argument of any of the types the kernels take.
-trait Arg {
+/// A kernel argument of any of the types the kernels take (`decode.cu`'s and
+/// `prefill.cu`'s).
+pub(super) trait Arg {
     fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
     /// The argument's address, as `cuLaunchKernelEx` takes it.
     fn param(&self) -> *mut std::ffi::c_void;

@@ -10,15 +10,14 @@
 //! 8-bit tile kernels, with f32 activations cast both ways, were slower than the bf16
 //! product plus the dequantization). Everything else stays candle's.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Storage, Tensor};
 use half::bf16;
 
+use super::gpu_decode::Arg;
 use crate::{ModelError, Result};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/prefill.ptx"));
@@ -119,16 +118,6 @@ fn launch(
     // address points into a tensor the caller holds for the call (same stream).
     unsafe { builder.launch(cfg) }.map_err(gpu_err)?;
     Ok(())
-}
-
-trait Arg {
-    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
-}
-
-impl<T: candle_core::cuda_backend::cudarc::driver::DeviceRepr> Arg for T {
-    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
-        builder.arg(self);
-    }
 }
 
 /// Attention probabilities from raw scores `(batches, rows, s)` (rows = group · t, the
