@@ -8,8 +8,8 @@
 #       graph-captured kernels, the same kernels launched one by one, and candle's path
 #       (SHOAL_CUDA_GRAPHS=0, SHOAL_GPU_DECODE=candle): where a token's time goes;
 #       MODES="graphs split1 split2 split4" instead compares warps per mat-vec row,
-#       MODES="graphs nopdl" programmatic dependent launch on and off, MODES="graphs ldg
-#       unroll8" bf16 weight rows loaded evict-first (default) or through L1, 4 or 8 in flight
+#       MODES="graphs nopdl" programmatic dependent launch on and off, MODES="graphs late"
+#       bf16 weight rows' first loads before the wait for the kernel ahead (default) or after
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
@@ -106,8 +106,7 @@ if [ "$what" = decode ]; then
         candle) env=(SHOAL_GPU_DECODE=candle) ;;
         split1 | split2 | split4) env=(SHOAL_GPU_SPLIT=${mode#split}) ;;
         nopdl) env=(SHOAL_GPU_PDL=0) ;;
-        ldg) env=(SHOAL_GPU_LDG=1) ;;
-        unroll8) env=(SHOAL_GPU_UNROLL8=1) ;;
+        late) env=(SHOAL_GPU_LATE=1) ;;
       esac
       record decode "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"decode\":\"$mode\"" \
         env "${env[@]}" /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 \

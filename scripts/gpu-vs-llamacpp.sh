@@ -9,7 +9,8 @@
 # ../shared/tools/llamacpp-cuda.sh, copied there), carried; writes $OUT/$NAME.md and
 # $OUT/$NAME.jsonl (NAME default side-by-side). REPEAT (default 3) runs each, medians.
 # With gpu-bin/gpu-test.xz carried too (the three fit the 64 MiB carry), the GPU tests run
-# first and a failure stops the call: $OUT/gpu-test.txt.
+# first and a failure stops the call: $OUT/gpu-test.txt. KEEP=1 leaves each model file in
+# /tmp for a later command of the same call (scripts/gpu-check.sh's KEEP=1 finds it).
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 out=${OUT:-/tmp/out}
@@ -59,7 +60,8 @@ print(json.dumps({'pp': r['prompt_tps'] or None, 'tg': r['generation_tps'] or No
 for row in "${rows[@]}"; do
   IFS=: read -r shape dt <<<"$row"
   file=/tmp/$shape-$dt.gguf
-  /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null || { echo "synth $row failed"; continue; }
+  [ -e "$file" ] || /tmp/shoal synth --shape "$shape" --dtype "$dt" --out "$file" >/dev/null ||
+    { echo "synth $row failed"; continue; }
   for item in ${DEPTHS:-0}; do
     IFS=: read -r depth tg <<<"$item"
     tg=${tg:-128}
@@ -68,7 +70,7 @@ for row in "${rows[@]}"; do
     s=$(shoal "$file" "$pp" "$tg" "$depth")
     echo "{\"shape\":\"$shape\",\"dtype\":\"$dt\",\"depth\":$depth,\"tg\":$tg,\"llama\":${l:-null},\"shoal\":${s:-null}}" | tee -a "$jsonl"
   done
-  rm -f "$file"
+  [ -n "${KEEP:-}" ] || rm -f "$file"
 done
 python3 - "$jsonl" <<'EOF' | tee "$out/$name.md"
 import json, sys

@@ -149,19 +149,9 @@ extern "C" __global__ void shoal_quantize_q8(const float* __restrict__ x, int n,
 }
 
 // ---------------------------------------------------------------------------------------
-// Mat-vec, bf16 rows. One warp per output row; each lane reads 16 bytes at a time.
+// Mat-vec, bf16 rows. A team of warps per output row; each lane reads 16 bytes at a time.
 // `k` is a multiple of 8. Up to three matrices stacked as one (q, k, v): row r of the
 // output is row r of the first, then of the second, then of the third.
-
-__device__ __forceinline__ float dot8(uint4 w, const float* __restrict__ x) {
-    const float4 a = *reinterpret_cast<const float4*>(x);
-    const float4 b = *reinterpret_cast<const float4*>(x + 4);
-    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
-    const float2 w0 = __bfloat1622float2(p[0]), w1 = __bfloat1622float2(p[1]);
-    const float2 w2 = __bfloat1622float2(p[2]), w3 = __bfloat1622float2(p[3]);
-    return w0.x * a.x + w0.y * a.y + w1.x * a.z + w1.y * a.w + w2.x * b.x + w2.y * b.y +
-           w3.x * b.z + w3.y * b.w;
-}
 
 // A block's warps in groups of `split` per output row: warp j of a group takes every
 // split-th 8-wide piece of the row from the j-th, and the group adds its sums in shared
@@ -198,59 +188,105 @@ __device__ __forceinline__ float3 group_sum(float a, float b, float c, int split
     return t;
 }
 
-// The row's dot product with x (times the norm's weights where `norm_w` is given) and the
-// sum of squares of the x it saw (for the RMSNorm folded into the product).
-// Weight rows are read once a step: `STREAM` loads them evict-first (`__ldcs`), which
-// leaves L1 to the activation row every warp of the block re-reads (llama-8B bf16: 198.7
-// -> 206-208 tok/s, against the read-only path, `__ldg`). `SHOAL_GPU_LDG=1` picks the
-// `__ldg` kernels, `SHOAL_GPU_UNROLL8=1` `__ldg` with 8 loads of 16 bytes in flight a lane,
-// not 4 (203-205), to compare.
-template <bool STREAM>
-__device__ __forceinline__ uint4 load_w(const uint4* p) {
-    return STREAM ? __ldcs(p) : __ldg(p);
+// x's 8 values at 16-byte piece i of a row, times the norm's weights where `norm_w` is
+// given; adds their squares to `ss` (for the RMSNorm folded into the product).
+__device__ __forceinline__ void x8(const float* __restrict__ x, const bf16* __restrict__ norm_w,
+                                   int i, float xs[8], float* ss) {
+    const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
+    const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
+    xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
+    xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
+    if (norm_w == nullptr) return;
+    const uint4 n = __ldg(reinterpret_cast<const uint4*>(norm_w) + i);
+    const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 f = __bfloat1622float2(np[e]);
+        *ss += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
+        xs[2 * e] *= f.x;
+        xs[2 * e + 1] *= f.y;
+    }
 }
 
-template <bool STREAM, int UNROLL>
-__device__ __forceinline__ void row_dot_bf16(const bf16* __restrict__ row,
-                                             const float* __restrict__ x,
-                                             const bf16* __restrict__ norm_w, int k,
-                                             int part, int split, float* dot, float* ss) {
-    const uint4* w = reinterpret_cast<const uint4*>(row);
-    const int lane = threadIdx.x % WARP;
-    float acc = 0.f, sq = 0.f;
-    const int n8 = k / 8;
-    if (norm_w == nullptr) {
-#pragma unroll UNROLL
-        for (int i = lane + WARP * part; i < n8; i += WARP * split)
-            acc += dot8(load_w<STREAM>(w + i), x + 8 * i);
-    } else {
-        const uint4* nw = reinterpret_cast<const uint4*>(norm_w);
-#pragma unroll UNROLL
-        for (int i = lane + WARP * part; i < n8; i += WARP * split) {
+__device__ __forceinline__ float dot8x(uint4 w, const float xs[8]) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
+    float acc = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const float2 f = __bfloat1622float2(p[e]);
+        acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
+    }
+    return acc;
+}
+
+// NR rows' dot products with norm(x) by a team of `stride` threads, this one from piece
+// `first`, and the sum of squares of the x it saw. The first PRE pieces a row are loaded
+// by `preload` before the kernel waits for the one ahead of it (weights do not depend on
+// it): the weight stream then runs on across the kernel boundary instead of starting
+// from nothing after it. The rest go U pieces at a time, all U loads issued before the
+// first is used (a plain loop let the compiler sink each load to its use: one or two
+// 16-byte loads in flight a lane, ~3.2-3.4 TB/s on llama-8B's matrices; held in
+// registers 3.6-4.1, scripts/gpu-matvec-bench.cu).
+#define PRE 4
+#define STREAM_U 4
+
+template <int NR>
+struct Preloaded {
+    uint4 v[NR][PRE];
+};
+
+template <int NR>
+__device__ __forceinline__ void preload(const uint4* const (&w)[NR], int n8, int first,
+                                        int stride, Preloaded<NR>* pre) {
+#pragma unroll
+    for (int p = 0; p < PRE; p++) {
+        const int i = first + p * stride;
+#pragma unroll
+        for (int r = 0; r < NR; r++)
+            pre->v[r][p] = i < n8 ? __ldcs(w[r] + i) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+template <int NR>
+__device__ __forceinline__ void rows_dot_bf16(const uint4* const (&w)[NR],
+                                              const Preloaded<NR>& pre,
+                                              const float* __restrict__ x,
+                                              const bf16* __restrict__ norm_w, int n8,
+                                              int first, int stride, float (&dot)[NR],
+                                              float* ss) {
+    float sq = 0.f;
+#pragma unroll
+    for (int r = 0; r < NR; r++) dot[r] = 0.f;
+#pragma unroll
+    for (int p = 0; p < PRE; p++) {
+        const int i = first + p * stride;
+        if (i < n8) {
             float xs[8];
-            const float4 a = *reinterpret_cast<const float4*>(x + 8 * i);
-            const float4 b = *reinterpret_cast<const float4*>(x + 8 * i + 4);
-            xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w;
-            xs[4] = b.x; xs[5] = b.y; xs[6] = b.z; xs[7] = b.w;
-            const uint4 n = __ldg(nw + i);
-            const __nv_bfloat162* np = reinterpret_cast<const __nv_bfloat162*>(&n);
+            x8(x, norm_w, i, xs, &sq);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 f = __bfloat1622float2(np[e]);
-                sq += xs[2 * e] * xs[2 * e] + xs[2 * e + 1] * xs[2 * e + 1];
-                xs[2 * e] *= f.x;
-                xs[2 * e + 1] *= f.y;
-            }
-            const uint4 wv = load_w<STREAM>(w + i);
-            const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&wv);
+            for (int r = 0; r < NR; r++) dot[r] += dot8x(pre.v[r][p], xs);
+        }
+    }
+    for (int base = first + PRE * stride; base < n8; base += STREAM_U * stride) {
+        uint4 v[NR][STREAM_U];
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const float2 f = __bfloat1622float2(p[e]);
-                acc += f.x * xs[2 * e] + f.y * xs[2 * e + 1];
+        for (int u = 0; u < STREAM_U; u++) {
+            const int i = base + u * stride;
+#pragma unroll
+            for (int r = 0; r < NR; r++)
+                v[r][u] = i < n8 ? __ldcs(w[r] + i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < STREAM_U; u++) {
+            const int i = base + u * stride;
+            if (i < n8) {
+                float xs[8];
+                x8(x, norm_w, i, xs, &sq);
+#pragma unroll
+                for (int r = 0; r < NR; r++) dot[r] += dot8x(v[r][u], xs);
             }
         }
     }
-    *dot = acc;
     *ss = sq;
 }
 
@@ -271,8 +307,8 @@ __device__ __forceinline__ int segment(const int rows[3], int* r) {
 }
 
 // y = [W0; W1; W2] norm(x) (+ bias) (+ residual), norm(x) = x / rms(x) * norm_w where
-// norm_w is given, else x.
-template <bool STREAM, int UNROLL>
+// norm_w is given, else x. A team of `split` warps a row (row_slot).
+template <bool EARLY>
 __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restrict__ x,
                                             const bf16* __restrict__ norm_w, float eps,
                                             const float* __restrict__ residual,
@@ -280,16 +316,19 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
     const RowSlot slot = row_slot(split);
     int r = slot.row;
     const int s = segment(seg.rows, &r);
-    float dot = 0.f, ss = 0.f;
     // Picked without indexing the parameter arrays (which would copy them to local memory).
     const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
     const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
-    // No prefetch here: bf16 rows are long, and asking for whole rows twice cost the
-    // llama-8B shape ~10% (its mat-vecs are bandwidth-bound, not latency-bound).
+    const int n8 = s < 3 ? k / 8 : 0;  // past the end: no loads
+    const uint4* const rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)r * k)};
+    const int first = threadIdx.x % WARP + WARP * slot.part, stride = WARP * split;
+    Preloaded<1> pre;
+    if (EARLY) preload<1>(rows, n8, first, stride, &pre);
     begin_step();
-    if (s < 3)
-        row_dot_bf16<STREAM, UNROLL>(w + (size_t)r * k, x, norm_w, k, slot.part, split, &dot, &ss);
-    const float3 t = group_sum(dot, ss, 0.f, split);
+    if (!EARLY) preload<1>(rows, n8, first, stride, &pre);
+    float dot[1], ss;
+    rows_dot_bf16<1>(rows, pre, x, norm_w, n8, first, stride, dot, &ss);
+    const float3 t = group_sum(dot[0], ss, 0.f, split);
     if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
         float v = t.x;
         if (norm_w) v *= rsqrtf(t.y / k + eps);
@@ -301,9 +340,8 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
-// y[r] = silu(gate_r . norm(x)) * (up_r . norm(x)). (One pass over both rows, x read once
-// for the two, was tried: llama-8B bf16 fell from 194 to 172 tok/s.)
-template <bool STREAM, int UNROLL>
+// y[r] = silu(gate_r . norm(x)) * (up_r . norm(x)), both rows in one pass over x.
+template <bool EARLY>
 __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
                                              const bf16* __restrict__ up,
                                              const float* __restrict__ x,
@@ -312,43 +350,43 @@ __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
                                              int split) {
     const RowSlot slot = row_slot(split);
     const int r = slot.row;
+    const int n8 = r < rows ? k / 8 : 0;
+    const uint4* const w[2] = {reinterpret_cast<const uint4*>(gate + (size_t)r * k),
+                               reinterpret_cast<const uint4*>(up + (size_t)r * k)};
+    const int first = threadIdx.x % WARP + WARP * slot.part, stride = WARP * split;
+    Preloaded<2> pre;
+    if (EARLY) preload<2>(w, n8, first, stride, &pre);
     begin_step();
-    float g = 0.f, u = 0.f, ss = 0.f;
-    if (r < rows) {
-        row_dot_bf16<STREAM, UNROLL>(gate + (size_t)r * k, x, norm_w, k, slot.part, split, &g,
-                                     &ss);
-        row_dot_bf16<STREAM, UNROLL>(up + (size_t)r * k, x, norm_w, k, slot.part, split, &u,
-                                     &ss);
-    }
-    // Both products saw the same x: `ss` holds its sum of squares once.
-    const float3 t = group_sum(g, u, ss, split);
+    if (!EARLY) preload<2>(w, n8, first, stride, &pre);
+    float gu[2], ss;
+    rows_dot_bf16<2>(w, pre, x, norm_w, n8, first, stride, gu, &ss);
+    const float3 t = group_sum(gu[0], gu[1], ss, split);
     if (r < rows && slot.part == 0 && threadIdx.x % WARP == 0) {
         const float inv = norm_w ? rsqrtf(t.z / k + eps) : 1.f;
         y[r] = silu(t.x * inv) * (t.y * inv);
     }
 }
 
-#define MATVEC_BF16(NAME, STREAM, UNROLL)                                                         \
-    extern "C" __global__ void NAME(Segments seg, const float* __restrict__ x,               \
-                                    const bf16* __restrict__ norm_w, float eps,              \
-                                    const float* __restrict__ residual,                      \
-                                    float* __restrict__ y, int k, int split) {               \
-        matvec_bf16<STREAM, UNROLL>(seg, x, norm_w, eps, residual, y, k, split);                     \
+// `_late`: the same products with the weights' first loads after the wait, to compare.
+#define MATVEC_BF16(NAME, EARLY)                                                          \
+    extern "C" __global__ void NAME(Segments seg, const float* __restrict__ x,           \
+                                    const bf16* __restrict__ norm_w, float eps,          \
+                                    const float* __restrict__ residual,                  \
+                                    float* __restrict__ y, int k, int split) {           \
+        matvec_bf16<EARLY>(seg, x, norm_w, eps, residual, y, k, split);                  \
     }
-MATVEC_BF16(shoal_matvec_bf16, true, 4)
-MATVEC_BF16(shoal_matvec_bf16_ldg, false, 4)
-MATVEC_BF16(shoal_matvec_bf16_u8, false, 8)
+MATVEC_BF16(shoal_matvec_bf16, true)
+MATVEC_BF16(shoal_matvec_bf16_late, false)
 
-#define GATE_UP_BF16(NAME, STREAM, UNROLL)                                                        \
+#define GATE_UP_BF16(NAME, EARLY)                                                             \
     extern "C" __global__ void NAME(const bf16* __restrict__ gate, const bf16* __restrict__ up, \
                                     const float* __restrict__ x,                             \
                                     const bf16* __restrict__ norm_w, float eps,              \
                                     float* __restrict__ y, int rows, int k, int split) {     \
-        gate_up_bf16<STREAM, UNROLL>(gate, up, x, norm_w, eps, y, rows, k, split);                   \
+        gate_up_bf16<EARLY>(gate, up, x, norm_w, eps, y, rows, k, split);                    \
     }
-GATE_UP_BF16(shoal_gate_up_bf16, true, 4)
-GATE_UP_BF16(shoal_gate_up_bf16_ldg, false, 4)
-GATE_UP_BF16(shoal_gate_up_bf16_u8, false, 8)
+GATE_UP_BF16(shoal_gate_up_bf16, true)
+GATE_UP_BF16(shoal_gate_up_bf16_late, false)
 
 // ---------------------------------------------------------------------------------------
 // Quantized mat-vecs against the 8-bit row (xq, per-32 (scale, scale * sum)).

@@ -110,12 +110,10 @@ impl Kernels {
                 .get_or_load_custom_func(name, MODULE, PTX)?
                 .into_cuda_function())
         };
-        // Variants of the bf16 mat-vecs, to compare (`decode.cu`'s `load_w`).
-        let on = |var: &str| std::env::var(var).as_deref() == Ok("1");
-        let variant = if on("SHOAL_GPU_LDG") {
-            "_ldg"
-        } else if on("SHOAL_GPU_UNROLL8") {
-            "_u8"
+        // The bf16 mat-vecs with their first weight loads after the wait for the kernel
+        // ahead, not before (`decode.cu`'s `preload`), to compare.
+        let variant = if std::env::var("SHOAL_GPU_LATE").as_deref() == Ok("1") {
+            "_late"
         } else {
             ""
         };
@@ -594,7 +592,9 @@ impl DecodePlan {
     fn matvec(&self, ls: &[&Linear], x: u64, norm: u64, residual: u64, y: u64) -> Result<()> {
         let rows: i32 = ls.iter().map(|l| l.rows).sum();
         let k = ls[0].k;
-        let split = self.split.unwrap_or_else(|| split_for(rows));
+        let split = self
+            .split
+            .unwrap_or_else(|| split_for(rows, k, ls[0].w.is_quant()));
         let grid = (rows as u32).div_ceil(MATVEC_WARPS / split as u32);
         let block = MATVEC_WARPS * 32;
         let mut w = [0u64; 3];
@@ -633,7 +633,9 @@ impl DecodePlan {
     /// `ff = silu(gate norm(x)) * (up norm(x))`.
     fn gate_up(&self, gate: &Linear, up: &Linear, norm: u64, y: u64) -> Result<()> {
         let (rows, k) = (gate.rows, gate.k);
-        let split = self.split.unwrap_or_else(|| split_for(rows));
+        let split = self
+            .split
+            .unwrap_or_else(|| split_for(rows, k, gate.w.is_quant()));
         let grid = (rows as u32).div_ceil(MATVEC_WARPS / split as u32);
         let block = MATVEC_WARPS * 32;
         if gate.w.is_quant() {
@@ -731,13 +733,15 @@ fn norm_threads(n: i32) -> u32 {
     ((n.max(1) as u32).div_ceil(4).div_ceil(32)).clamp(1, 32) * 32
 }
 
-/// Warps that share one output row: enough warps in all to fill the GPU when a matrix has
-/// few, long rows. Measured on an H200: splitting the 1.5b shape's matrices (1536–2048
-/// rows) took it from 496 to 552 tok/s, splitting the 8B shape's (4096–6144 rows) as well
-/// took that from 199.8 to 187.5; so from 4096 rows a warp a row (the 8B figure at this
-/// rule is not measured yet).
-fn split_for(rows: i32) -> i32 {
+/// Warps that share one output row. A team of four warps a row reads each row as the
+/// block's contiguous run: on the llama-8B shape's matrices alone 3.3-4.1 TB/s against
+/// 2.6-3.9 for a warp a row (scripts/gpu-matvec-bench.cu, one H200). Rows shorter than 2,048
+/// keep the rule measured before on the 1.5b shape (1536-2048 rows: 496 -> 552 tok/s
+/// with 4 warps a row below 2,048 rows, 2 below 4,096).
+/// Quantized rows keep that rule at every length.
+fn split_for(rows: i32, k: i32, quant: bool) -> i32 {
     match rows {
+        _ if k >= 2048 && !quant => 4,
         r if r < 2048 => 4,
         r if r < 4096 => 2,
         _ => 1,
