@@ -10,6 +10,9 @@
 #       MODES="graphs split1 split2 split4" instead compares warps per mat-vec row,
 #       MODES="graphs nopdl" programmatic dependent launch on and off, MODES="graphs late"
 #       bf16 weight rows' first loads before the wait for the kernel ahead (default) or after
+#       MODES="graphs apart": rope and the KV append in the bf16 q/k/v projection (default)
+#       or in a kernel of their own; MODES="graphs keys1 warps4 keys1warps4" the attention
+#       kernel's keys a warp at a time (4 by default) and warps a block (8)
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
@@ -18,7 +21,8 @@
 #       "1 8 32") sequences decoding together (bench --local --batch), total tok/s:
 #       $OUT/batch.jsonl
 #   scripts/gpu-check.sh depth [SHAPE:DTYPE...] one GPU: generation after DEPTHS (default
-#       "0 512 2048 4096 8000") tokens of context (bench --local --depth): $OUT/depth.jsonl
+#       "0 512 2048 4096 8000") tokens of context (bench --local --depth): $OUT/depth.jsonl;
+#       MODES as for decode (default graphs), e.g. MODES="graphs keys1 warps4"
 #   scripts/gpu-check.sh nccl [SHAPE DTYPE...]  several GPUs: the NCCL test, the
 #       all-reduce times, and for each SHAPE:DTYPE[:LAYERS] (default llama-8b:bf16
 #       llama-8b:q4k) the benchmark on 1, 2, 4, 8 GPUs as the machine has them.
@@ -31,6 +35,22 @@ export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/cuda-13.0/targets/x86_
 unpack() { # name
   python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "gpu-bin/$1.xz" "/tmp/$1"
   chmod +x "/tmp/$1"
+}
+# The environment of a decode variant (MODES) into the array env.
+mode_env() { # mode
+  case $1 in
+    graphs) env=() ;;
+    eager) env=(SHOAL_CUDA_GRAPHS=0) ;;
+    candle) env=(SHOAL_GPU_DECODE=candle) ;;
+    split1 | split2 | split4) env=(SHOAL_GPU_SPLIT=${1#split}) ;;
+    nopdl) env=(SHOAL_GPU_PDL=0) ;;
+    late) env=(SHOAL_GPU_LATE=1) ;;
+    apart) env=(SHOAL_GPU_ROPE=apart) ;;
+    keys1) env=(SHOAL_GPU_KEYS=1) ;;
+    warps4) env=(SHOAL_GPU_ATTN_WARPS=4) ;;
+    keys1warps4) env=(SHOAL_GPU_KEYS=1 SHOAL_GPU_ATTN_WARPS=4) ;;
+    *) echo "unknown mode $1" >&2; exit 2 ;;
+  esac
 }
 # The synthesized model of SHAPE and DTYPE, made unless an earlier mode kept it (KEEP=1).
 model_file() { # shape dtype -> path
@@ -100,14 +120,7 @@ if [ "$what" = decode ]; then
     IFS=: read -r shape dt <<<"$one"
     file=$(model_file "$shape" "$dt")
     for mode in ${MODES:-graphs eager candle}; do
-      case $mode in
-        graphs) env=() ;;
-        eager) env=(SHOAL_CUDA_GRAPHS=0) ;;
-        candle) env=(SHOAL_GPU_DECODE=candle) ;;
-        split1 | split2 | split4) env=(SHOAL_GPU_SPLIT=${mode#split}) ;;
-        nopdl) env=(SHOAL_GPU_PDL=0) ;;
-        late) env=(SHOAL_GPU_LATE=1) ;;
-      esac
+      mode_env "$mode"
       record decode "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"decode\":\"$mode\"" \
         env "${env[@]}" /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 4096 \
         --pp 512 --tg 128 -r 3 --json
@@ -135,10 +148,13 @@ if [ "$what" = depth ]; then
   for one in ${@:-llama-8b:bf16}; do
     IFS=: read -r shape dt <<<"$one"
     file=$(model_file "$shape" "$dt")
-    for d in ${DEPTHS:-0 512 2048 4096 8000}; do
-      record depth "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"depth\":$d" \
-        /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 8192 --pp 0 \
-        --tg "${TG:-128}" -r 2 --depth "$d" --json
+    for mode in ${MODES:-graphs}; do
+      mode_env "$mode"
+      for d in ${DEPTHS:-0 512 2048 4096 8000}; do
+        record depth "\"shape\":\"$shape\",\"dtype\":\"$dt\",\"depth\":$d,\"decode\":\"$mode\"" \
+          env "${env[@]}" /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 8192 \
+          --pp 0 --tg "${TG:-128}" -r 2 --depth "$d" --json
+      done
     done
     done_with "$file"
   done

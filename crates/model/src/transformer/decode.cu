@@ -15,6 +15,7 @@ typedef __nv_bfloat16 bf16;
 #define WARP 32
 #define MAX_GROUP 8   // query heads per KV head the attention kernel holds in registers
 #define MAX_LANE 4    // head_dim / 32 values per lane (head_dim <= 128)
+#define KEYS 4        // keys a warp of the attention kernel loads at a time (by default)
 
 // F(g) with g the compile-time constant equal to `group` (1..MAX_GROUP).
 #define BY_GROUP(group, F)    \
@@ -290,6 +291,21 @@ __device__ __forceinline__ void rows_dot_bf16(const uint4* const (&w)[NR],
     *ss = sq;
 }
 
+// A team's share of the NR rows' dot products with norm(x) (and of x's sum of squares),
+// the step's wait for the kernel ahead between the first loads (EARLY) and the rest.
+template <bool EARLY, int NR>
+__device__ __forceinline__ void team_dot(const uint4* const (&w)[NR], int n8, RowSlot slot,
+                                         int split, const float* __restrict__ x,
+                                         const bf16* __restrict__ norm_w, float (&dot)[NR],
+                                         float* ss) {
+    const int first = threadIdx.x % WARP + WARP * slot.part, stride = WARP * split;
+    Preloaded<NR> pre;
+    if (EARLY) preload<NR>(w, n8, first, stride, &pre);
+    begin_step();
+    if (!EARLY) preload<NR>(w, n8, first, stride, &pre);
+    rows_dot_bf16<NR>(w, pre, x, norm_w, n8, first, stride, dot, ss);
+}
+
 struct Segments {
     const bf16* w[3];
     const bf16* bias[3];
@@ -321,13 +337,8 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
     const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
     const int n8 = s < 3 ? k / 8 : 0;  // past the end: no loads
     const uint4* const rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)r * k)};
-    const int first = threadIdx.x % WARP + WARP * slot.part, stride = WARP * split;
-    Preloaded<1> pre;
-    if (EARLY) preload<1>(rows, n8, first, stride, &pre);
-    begin_step();
-    if (!EARLY) preload<1>(rows, n8, first, stride, &pre);
     float dot[1], ss;
-    rows_dot_bf16<1>(rows, pre, x, norm_w, n8, first, stride, dot, &ss);
+    team_dot<EARLY, 1>(rows, n8, slot, split, x, norm_w, dot, &ss);
     const float3 t = group_sum(dot[0], ss, 0.f, split);
     if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
         float v = t.x;
@@ -337,6 +348,75 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
         y[slot.row] = v;
     }
 }
+
+// The q/k/v projection, rope and the KV append as one kernel (bf16 rows, no q/k norms):
+// a team takes the two rows rope turns together, (2j, 2j+1) of a head interleaved,
+// (j, j + hd/2) otherwise, and rotates its pair itself; q goes to `qkv` in place of
+// shoal_rope_append's, k and v to the cache at *pos.
+struct RopeInto {
+    const float* inv_freq;
+    const int* pos;
+    bf16* k_cache;
+    bf16* v_cache;
+    int nh, nkv, hd, cap, interleaved;
+};
+
+template <bool EARLY>
+__device__ __forceinline__ void qkv_rope_bf16(Segments seg, const float* __restrict__ x,
+                                              const bf16* __restrict__ norm_w, float eps,
+                                              float* __restrict__ qkv, int k, int split,
+                                              RopeInto rope) {
+    const RowSlot slot = row_slot(split);
+    const int half = rope.hd / 2;
+    const int head = slot.row / half, j = slot.row % half;
+    const int ra = head * rope.hd + (rope.interleaved ? 2 * j : j);
+    const int gap = rope.interleaved ? 1 : half;  // rb - ra
+    int r = ra;
+    const int s = segment(seg.rows, &r);
+    const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
+    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
+    const int n8 = s < 3 ? k / 8 : 0;
+    const uint4* const rows[2] = {reinterpret_cast<const uint4*>(w + (size_t)r * k),
+                                  reinterpret_cast<const uint4*>(w + (size_t)(r + gap) * k)};
+    float ab[2], ss;
+    team_dot<EARLY, 2>(rows, n8, slot, split, x, norm_w, ab, &ss);
+    const float3 t = group_sum(ab[0], ab[1], ss, split);
+    if (s == 3 || slot.part != 0 || threadIdx.x % WARP != 0) return;
+    const float inv = norm_w ? rsqrtf(t.z / k + eps) : 1.f;
+    float a = t.x * inv, b = t.y * inv;
+    if (bias) {
+        a += __bfloat162float(bias[r]);
+        b += __bfloat162float(bias[r + gap]);
+    }
+    const int pos = *rope.pos, i = ra - head * rope.hd;  // a's index within its head
+    if (head >= rope.nh + rope.nkv) {
+        bf16* v = rope.v_cache + ((size_t)(head - rope.nh - rope.nkv) * rope.cap + pos) * rope.hd;
+        v[i] = __float2bfloat16(a);
+        v[i + gap] = __float2bfloat16(b);
+        return;
+    }
+    float sn, c;
+    sincosf((float)pos * rope.inv_freq[j], &sn, &c);
+    const float oa = a * c - b * sn, ob = a * sn + b * c;
+    if (head < rope.nh) {
+        qkv[ra] = oa;
+        qkv[ra + gap] = ob;
+    } else {
+        bf16* kc = rope.k_cache + ((size_t)(head - rope.nh) * rope.cap + pos) * rope.hd;
+        kc[i] = __float2bfloat16(oa);
+        kc[i + gap] = __float2bfloat16(ob);
+    }
+}
+
+#define QKV_ROPE_BF16(NAME, EARLY)                                                         \
+    extern "C" __global__ void NAME(Segments seg, const float* __restrict__ x,            \
+                                    const bf16* __restrict__ norm_w, float eps,           \
+                                    float* __restrict__ qkv, int k, int split,            \
+                                    RopeInto rope) {                                      \
+        qkv_rope_bf16<EARLY>(seg, x, norm_w, eps, qkv, k, split, rope);                   \
+    }
+QKV_ROPE_BF16(shoal_qkv_rope_bf16, true)
+QKV_ROPE_BF16(shoal_qkv_rope_bf16_late, false)
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
@@ -353,13 +433,8 @@ __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
     const int n8 = r < rows ? k / 8 : 0;
     const uint4* const w[2] = {reinterpret_cast<const uint4*>(gate + (size_t)r * k),
                                reinterpret_cast<const uint4*>(up + (size_t)r * k)};
-    const int first = threadIdx.x % WARP + WARP * slot.part, stride = WARP * split;
-    Preloaded<2> pre;
-    if (EARLY) preload<2>(w, n8, first, stride, &pre);
-    begin_step();
-    if (!EARLY) preload<2>(w, n8, first, stride, &pre);
     float gu[2], ss;
-    rows_dot_bf16<2>(w, pre, x, norm_w, n8, first, stride, gu, &ss);
+    team_dot<EARLY, 2>(w, n8, slot, split, x, norm_w, gu, &ss);
     const float3 t = group_sum(gu[0], gu[1], ss, split);
     if (r < rows && slot.part == 0 && threadIdx.x % WARP == 0) {
         const float inv = norm_w ? rsqrtf(t.z / k + eps) : 1.f;
@@ -693,6 +768,42 @@ __device__ __forceinline__ int attn_chunk(int len, int splits) {
     return max(32, (len + splits - 1) / splits);
 }
 
+// Splits that hold positions of a context of `len`.
+__device__ __forceinline__ int active_splits(int len, int splits) {
+    return (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
+}
+
+// Query head h's weight for each active split's partial (coef[s]) and the reciprocal of
+// their total, by one warp: its lanes take the splits side by side (at most 64), so the
+// partials' maxima and sums are read in one round trip, not one a split.
+#define MAX_SPLITS 64
+__device__ __forceinline__ void split_weights(const float2* __restrict__ part_ml, int h,
+                                              int active, int splits, float* coef,
+                                              float* inv_total) {
+    const int lane = threadIdx.x % WARP;
+    const float2 none = make_float2(-INFINITY, 0.f);
+    const float2 a = lane < active ? part_ml[h * splits + lane] : none;
+    const float2 b = lane + WARP < active ? part_ml[h * splits + lane + WARP] : none;
+    const float mx = warp_max(fmaxf(a.x, b.x));
+    const float ca = a.x == -INFINITY ? 0.f : __expf(a.x - mx);
+    const float cb = b.x == -INFINITY ? 0.f : __expf(b.x - mx);
+    const float total = warp_sum(a.y * ca + b.y * cb);
+    coef[lane] = ca;
+    coef[lane + WARP] = cb;
+    if (lane == 0) *inv_total = 1.f / total;
+}
+
+// Value d of query head h: the active splits' partials weighted by `coef`, normalized.
+__device__ __forceinline__ float merged_value(const float* __restrict__ part_acc,
+                                              const float* coef, float inv_total, int h,
+                                              int d, int active, int splits, int hd) {
+    float a = 0.f;
+#pragma unroll 8
+    for (int s = 0; s < active; s++)
+        a += part_acc[((size_t)h * splits + s) * hd + d] * coef[s];
+    return a * inv_total;
+}
+
 // A lane's `n` (1, 2 or 4) consecutive bf16 values of a key or value row, in one load.
 __device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LANE]) {
 #pragma unroll
@@ -718,12 +829,14 @@ __device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LA
 // Attention of one token over the cache, flash-decoding style: block (kv head, split)
 // takes a contiguous run of the *pos + 1 positions for all query heads of its group and
 // writes an unnormalized partial (max, sum, weighted values); shoal_attn_merge merges
-// them. 4 warps per block; a warp takes one key at a time. G, the query heads of the
+// them. A warp takes K keys at a time (shoal_attention: KEYS; shoal_attention_keys1: one,
+// to compare at depth: `SHOAL_GPU_KEYS=1`). G, the query heads of the
 // group, is a compile-time constant: every head's score is summed over the warp in the
 // same shuffle stages, interleaved (a runtime count made each head's five dependent
 // shuffles, exponentials and updates wait for the previous head's: 10.7 us for ~580
 // positions on the qwen2.5-1.5b shape, groups of 6), and registers hold G heads, not 8.
-template <int G>
+
+template <int G, int K>
 __device__ __forceinline__ void attention_block(const float* __restrict__ q,
                                                 const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, int len,
@@ -755,30 +868,56 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q,
     }
     const bf16* kb = k_cache + (size_t)kvh * cap * hd + lane * per_lane;
     const bf16* vb = v_cache + (size_t)kvh * cap * hd + lane * per_lane;
-    for (int j = start + warp; j < end; j += warps) {
-        float kv[MAX_LANE], vv[MAX_LANE];
-        load_lane(kb + (size_t)j * hd, per_lane, kv);
-        load_lane(vb + (size_t)j * hd, per_lane, vv);
-        float s[G];
+    // K keys a warp at a time: their loads are all in flight before the first score
+    // (one key at a time waited a cache round trip per key: 8.8 us a layer on llama-8B
+    // at ~600 positions, for 2.5 MB).
+    for (int j0 = start + warp; j0 < end; j0 += warps * K) {
+        float kv[K][MAX_LANE], vv[K][MAX_LANE];
+#pragma unroll
+        for (int b = 0; b < K; b++) {
+            const int j = j0 + b * warps;
+            if (j < end) {
+                load_lane(kb + (size_t)j * hd, per_lane, kv[b]);
+                load_lane(vb + (size_t)j * hd, per_lane, vv[b]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < MAX_LANE; e++) kv[b][e] = vv[b][e] = 0.f;
+            }
+        }
+        float s[K][G];
+#pragma unroll
+        for (int b = 0; b < K; b++)
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                s[b][g] = 0.f;
+#pragma unroll
+                for (int e = 0; e < MAX_LANE; e++) s[b][g] += qr[g][e] * kv[b][e];
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int b = 0; b < K; b++)
+#pragma unroll
+                for (int g = 0; g < G; g++) s[b][g] += __shfl_xor_sync(0xffffffff, s[b][g], o);
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            s[g] = 0.f;
+            // Key 0 of the batch is always in range, so the new maximum is finite.
+            float mn = m[g];
 #pragma unroll
-            for (int e = 0; e < MAX_LANE; e++) s[g] += qr[g][e] * kv[e];
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-            for (int g = 0; g < G; g++) s[g] += __shfl_xor_sync(0xffffffff, s[g], o);
-        }
-#pragma unroll
-        for (int g = 0; g < G; g++) {
-            const float mn = fmaxf(m[g], s[g]);
+            for (int b = 0; b < K; b++)
+                if (j0 + b * warps < end) mn = fmaxf(mn, s[b][g]);
             const float corr = __expf(m[g] - mn);
-            const float p = __expf(s[g] - mn);
-            l[g] = l[g] * corr + p;
+            l[g] *= corr;
 #pragma unroll
-            for (int e = 0; e < MAX_LANE; e++) acc[g][e] = acc[g][e] * corr + p * vv[e];
+            for (int e = 0; e < MAX_LANE; e++) acc[g][e] *= corr;
+#pragma unroll
+            for (int b = 0; b < K; b++) {
+                if (j0 + b * warps >= end) continue;
+                const float p = __expf(s[b][g] - mn);
+                l[g] += p;
+#pragma unroll
+                for (int e = 0; e < MAX_LANE; e++) acc[g][e] += p * vv[b][e];
+            }
             m[g] = mn;
         }
     }
@@ -816,19 +955,34 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q,
     }
 }
 
-extern "C" __global__ void shoal_attention(const float* __restrict__ q,
-                                           const bf16* __restrict__ k_cache,
-                                           const bf16* __restrict__ v_cache,
-                                           const int* __restrict__ pos_ptr,
-                                           float* __restrict__ part_acc,
-                                           float2* __restrict__ part_ml, int group, int hd,
-                                           int cap, float scale) {
-    begin_step();
-    const int len = *pos_ptr + 1;
-#define ATTN(G) attention_block<G>(q, k_cache, v_cache, len, part_acc, part_ml, hd, cap, scale)
+// attention_block of `group` query heads a KV head, K keys a warp at a time.
+template <int K>
+__device__ __forceinline__ void attention_by_group(const float* __restrict__ q,
+                                                   const bf16* __restrict__ k_cache,
+                                                   const bf16* __restrict__ v_cache, int len,
+                                                   float* __restrict__ part_acc,
+                                                   float2* __restrict__ part_ml, int group,
+                                                   int hd, int cap, float scale) {
+#define ATTN(G) attention_block<G, K>(q, k_cache, v_cache, len, part_acc, part_ml, hd, cap, scale)
     BY_GROUP(group, ATTN);
 #undef ATTN
 }
+
+#define ATTENTION(NAME, K)                                                                   \
+    extern "C" __global__ void NAME(const float* __restrict__ q,                              \
+                                    const bf16* __restrict__ k_cache,                         \
+                                    const bf16* __restrict__ v_cache,                         \
+                                    const int* __restrict__ pos_ptr,                          \
+                                    float* __restrict__ part_acc,                             \
+                                    float2* __restrict__ part_ml, int group, int hd, int cap, \
+                                    float scale) {                                            \
+        begin_step();                                                                         \
+        attention_by_group<K>(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, group,   \
+                              hd, cap, scale);                                                \
+    }
+ATTENTION(shoal_attention, KEYS)
+ATTENTION(shoal_attention_keys1, 1)
+#undef ATTENTION
 
 // shoal_attention for a batch of decode rows: block (kv head, split, token); token b's
 // queries are the first heads of its row of `qkv`, its partials a slice of their own.
@@ -842,9 +996,7 @@ extern "C" __global__ void shoal_attention_batch(const float* __restrict__ qkv,
     const bf16 *kc = batch_cache(c, b, 0), *vc = batch_cache(c, b, 1);
     float* acc = part_acc + (size_t)b * nh * splits * hd;
     float2* ml = part_ml + (size_t)b * nh * splits;
-#define ATTN(G) attention_block<G>(q, kc, vc, c.pos[b] + 1, acc, ml, hd, c.caps[b], scale)
-    BY_GROUP(group, ATTN);
-#undef ATTN
+    attention_by_group<KEYS>(q, kc, vc, c.pos[b] + 1, acc, ml, group, hd, c.caps[b], scale);
 }
 
 // out[h] = the active splits' partials of query head h merged and normalized, and, where
@@ -856,18 +1008,12 @@ __device__ __forceinline__ void merge_head(const float* __restrict__ part_acc,
                                            float* __restrict__ out, int8_t* __restrict__ xq,
                                            float2* __restrict__ xd, int splits, int hd) {
     const int h = blockIdx.x, d = threadIdx.x;
-    const int active = (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
-    float mx = -INFINITY;
-    for (int s = 0; s < active; s++) mx = fmaxf(mx, part_ml[h * splits + s].x);
-    float a = 0.f, ls = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < active; s++) {
-        const float2 ml = part_ml[h * splits + s];
-        const float c = ml.x == -INFINITY ? 0.f : __expf(ml.x - mx);
-        a += part_acc[((size_t)h * splits + s) * hd + d] * c;
-        ls += ml.y * c;
-    }
-    const float v = a / ls;
+    const int active = active_splits(len, splits);
+    __shared__ float coef[MAX_SPLITS];
+    __shared__ float inv_total;
+    if (d < WARP) split_weights(part_ml, h, active, splits, coef, &inv_total);
+    __syncthreads();
+    const float v = merged_value(part_acc, coef, inv_total, h, d, active, splits, hd);
     const int o = h * hd + d;
     out[o] = v;
     if (xq != nullptr) quantize_warp(v, o / 32, xq, xd);

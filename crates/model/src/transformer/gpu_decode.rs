@@ -40,10 +40,10 @@ use weights::{Linear, linear, norm_ptr, tensor_ptr};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 const MODULE: &str = "shoal_decode";
-/// Warps per block of the mat-vec kernels (one output row per warp).
+/// Warps per block of the mat-vec kernels (a team of `split_for` warps a row).
 const MATVEC_WARPS: u32 = 4;
-/// Warps per block of the attention kernel.
-const ATTN_WARPS: u32 = 4;
+/// Warps per block of the attention kernel (one token's: `SHOAL_GPU_ATTN_WARPS` to compare).
+const ATTN_WARPS: u32 = 8;
 /// Graphs kept (one per KV cache the model decoded into lately).
 const GRAPHS_KEPT: usize = 4;
 
@@ -87,6 +87,22 @@ struct QSegments {
 // SAFETY: plain `repr(C)` data of the layout the kernels declare, passed by value.
 unsafe impl DeviceRepr for Segments {}
 unsafe impl DeviceRepr for QSegments {}
+unsafe impl DeviceRepr for RopeInto {}
+
+/// Rope and the KV append done by the q/k/v projection (`decode.cu`'s `RopeInto`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct RopeInto {
+    inv_freq: u64,
+    pos: u64,
+    k_cache: u64,
+    v_cache: u64,
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    cap: i32,
+    interleaved: i32,
+}
 
 struct Kernels {
     rmsnorm: CudaFunction,
@@ -94,6 +110,7 @@ struct Kernels {
     matvec_bf16: CudaFunction,
     matvec_quant: CudaFunction,
     gate_up_bf16: CudaFunction,
+    qkv_rope_bf16: CudaFunction,
     gate_up_quant: CudaFunction,
     rope_append: CudaFunction,
     attention: CudaFunction,
@@ -117,15 +134,22 @@ impl Kernels {
         } else {
             ""
         };
+        // One key a warp at a time instead of `decode.cu`'s KEYS, to compare at depth.
+        let attention = if std::env::var("SHOAL_GPU_KEYS").as_deref() == Ok("1") {
+            "shoal_attention_keys1"
+        } else {
+            "shoal_attention"
+        };
         Ok(Self {
             rmsnorm: f("shoal_rmsnorm")?,
             quantize: f("shoal_quantize_q8")?,
             matvec_bf16: f(&format!("shoal_matvec_bf16{variant}"))?,
             matvec_quant: f("shoal_matvec_quant")?,
             gate_up_bf16: f(&format!("shoal_gate_up_bf16{variant}"))?,
+            qkv_rope_bf16: f(&format!("shoal_qkv_rope_bf16{variant}"))?,
             gate_up_quant: f("shoal_gate_up_quant")?,
             rope_append: f("shoal_rope_append")?,
-            attention: f("shoal_attention")?,
+            attention: f(attention)?,
             attn_merge: f("shoal_attn_merge")?,
             rope_append_batch: f("shoal_rope_append_batch")?,
             attention_batch: f("shoal_attention_batch")?,
@@ -224,6 +248,12 @@ pub(crate) struct DecodePlan {
     /// Launch a step's kernels after its first as programmatic dependents of the one
     /// ahead (`decode.cu`'s `begin_step`); `SHOAL_GPU_PDL=0` turns it off, to compare.
     pdl: bool,
+    /// The q/k/v projection rotates and appends its rows itself where it can
+    /// (`rope_in_projection`); `SHOAL_GPU_ROPE=apart` launches `shoal_rope_append`, to compare.
+    fused_rope: bool,
+    /// Warps a block of one token's attention kernel: ATTN_WARPS unless
+    /// `SHOAL_GPU_ATTN_WARPS` says 1..=16 (to compare).
+    attn_warps: u32,
     /// Inside `record`: whether the next launch follows one of the step's own kernels
     /// (`None` outside a step: the batched path's kernels follow candle's).
     chained: Cell<Option<bool>>,
@@ -345,6 +375,7 @@ impl DecodePlan {
         let alloc_err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| e.to_string();
         // Enough splits that the longest context fills the GPU; a short one uses only the
         // first few (at least 32 positions a split).
+        // At most 64: `decode.cu`'s MAX_SPLITS.
         let splits = model.max_len.div_ceil(64).clamp(1, 64);
         let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);
         let inv_freq: Vec<f32> = (0..hd / 2)
@@ -394,6 +425,12 @@ impl DecodePlan {
                 .filter(|n| [1, 2, 4].contains(n)),
             graphs: Vec::new(),
             pdl: std::env::var("SHOAL_GPU_PDL").map_or(true, |v| v != "0"),
+            fused_rope: std::env::var("SHOAL_GPU_ROPE").as_deref() != Ok("apart"),
+            attn_warps: std::env::var("SHOAL_GPU_ATTN_WARPS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .filter(|n| (1..=16).contains(n))
+                .unwrap_or(ATTN_WARPS),
             chained: Cell::new(None),
             batch: None,
             batch_steps: 0,
@@ -483,8 +520,12 @@ impl DecodePlan {
         } = self.at;
         for (i, l) in self.layers.iter().enumerate() {
             let (kc, vc) = (cache.ptrs[2 * i], cache.ptrs[2 * i + 1]);
-            self.normed_matvec(&[&l.q, &l.k, &l.v], l.attn_norm, qkv)?;
-            self.rope_append(qkv, l.q_norm, l.k_norm, (kc, vc, cache.capacity))?;
+            if self.rope_in_projection(l) {
+                self.qkv_rope(l, (kc, vc, cache.capacity))?;
+            } else {
+                self.normed_matvec(&[&l.q, &l.k, &l.v], l.attn_norm, qkv)?;
+                self.rope_append(qkv, l.q_norm, l.k_norm, (kc, vc, cache.capacity))?;
+            }
             self.attention(qkv, (kc, vc, cache.capacity), attn, l.o.w.is_quant())?;
             self.matvec(&[&l.o], attn, 0, x, x)?;
             if l.gate.w.is_quant() {
@@ -584,6 +625,49 @@ impl DecodePlan {
             &self.kernels.quantize,
             cfg((blocks.div_ceil(8), 1), 256, 0),
             &[&x, &n, &q, &qd],
+        )
+    }
+
+    /// Whether layer `l`'s q/k/v projection can rotate and append its own rows: bf16
+    /// weights and no per-head norms (which need a whole head before rope).
+    fn rope_in_projection(&self, l: &Layer) -> bool {
+        self.fused_rope
+            && l.q_norm == 0
+            && l.k_norm == 0
+            && [&l.q, &l.k, &l.v].iter().all(|p| !p.w.is_quant())
+    }
+
+    /// `shoal_qkv_rope_bf16`: the normed q/k/v projection, rotated, q into `qkv` and k, v
+    /// into the layer's cache at the step's position.
+    fn qkv_rope(&self, l: &Layer, cache: (u64, u64, i32)) -> Result<()> {
+        let ls = [&l.q, &l.k, &l.v];
+        let rows: i32 = ls.iter().map(|l| l.rows).sum();
+        let k = l.q.k;
+        // A team a pair of rows.
+        let split = self.split.unwrap_or_else(|| split_for(rows / 2, k, false));
+        let grid = ((rows / 2) as u32).div_ceil(MATVEC_WARPS / split as u32);
+        let seg = Segments {
+            w: ls.map(|l| l.w.ptr()),
+            bias: ls.map(|l| l.bias),
+            rows: ls.map(|l| l.rows),
+        };
+        let (k_cache, v_cache, cap) = cache;
+        let rope = RopeInto {
+            inv_freq: self.at.inv_freq,
+            pos: self.at.pos,
+            k_cache,
+            v_cache,
+            nh: self.nh,
+            nkv: self.nkv,
+            hd: self.hd,
+            cap,
+            interleaved: self.interleaved,
+        };
+        let (x, qkv) = (self.at.x, self.at.qkv);
+        self.launch(
+            &self.kernels.qkv_rope_bf16,
+            cfg((grid, 1), MATVEC_WARPS * 32, 0),
+            &[&seg, &x, &l.attn_norm, &self.eps, &qkv, &k, &split, &rope],
         )
     }
 
@@ -705,11 +789,11 @@ impl DecodePlan {
         } else {
             (0, 0)
         };
-        let warps = ATTN_WARPS as i32;
+        let warps = self.attn_warps as i32;
         let shared = (4 * (warps * group * self.hd + 2 * warps * group)) as u32;
         self.launch(
             &self.kernels.attention,
-            cfg((self.nkv as u32, self.splits), ATTN_WARPS * 32, shared),
+            cfg((self.nkv as u32, self.splits), self.attn_warps * 32, shared),
             &[
                 &q, &kc, &vc, &pos, &part_acc, &part_ml, &group, &self.hd, &cap, &scale,
             ],
