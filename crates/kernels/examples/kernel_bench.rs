@@ -17,7 +17,7 @@ fn main() {
         .filter_map(|a| a.parse().ok())
         .collect();
     let rows = args.first().copied().unwrap_or(1536);
-    let cols = args.get(1).copied().unwrap_or(576).max(256) / 256 * 256;
+    let cols = args.get(1).copied().unwrap_or(576).max(256) / 32 * 32;
     let t = args.get(2).copied().unwrap_or(1);
     let threads = args.get(3).copied().unwrap_or(1);
     let pool = ThreadPool::new(threads);

@@ -14,7 +14,9 @@
 //! Every (row, token) pair is computed by the same operations in the same order, however
 //! many rows and tokens share the call, so a token's result is bit for bit the one it
 //! gets alone. A row's last group may hold fewer than 16 blocks: it is stored without
-//! padding and read with masked loads.
+//! padding and read with masked loads. In groups of 16, a last group of at most 8 blocks
+//! is packed with other rows' instead ([`Tails`]): smollm2's 576 columns are 18 blocks,
+//! and a group of 2 cost almost what a full one does (its products are as wide).
 //!
 //! The AVX2 layout differs in one more way: Q8_0's bytes stay signed (AVX2's 8-bit
 //! product saturates on an unsigned byte of 255, so it multiplies magnitudes and signs).
@@ -63,6 +65,33 @@ pub(crate) struct Lanes {
     /// in two words of 64 bits a product in groups of 16, in one word's two halves in
     /// groups of 8. GGUF's 4 bytes a block for a full group, more for a row's last one.
     pub(crate) bits: Vec<u64>,
+    /// The rows' last blocks, where they are packed across rows (`blocks` then counts
+    /// only the whole groups before them).
+    pub(crate) tails: Option<Box<Tails>>,
+}
+
+/// The last `n` blocks of every row (a partial group of at most 8), `per` rows' to a
+/// group: a matrix of its own in the lane layout whose row `p` holds, as blocks
+/// `k·n..k·n + n`, row `p·per + k`'s last blocks. One pass of products then serves
+/// `per` rows, where each row's partial group took a full-width pass of its own; each
+/// row's share is summed from its own lanes in a fixed order.
+#[derive(Clone, Debug)]
+pub(crate) struct Tails {
+    pub(crate) n: usize,
+    pub(crate) per: usize,
+    pub(crate) lanes: Lanes,
+}
+
+/// Matrices with fewer rows keep each row's last blocks in its own partial group: their
+/// extra pass over the packs costs more than it saves (`kernel_bench 192 576 1 2`, Q4_1:
+/// 3.5 µs a call with the partial groups, 4.6 µs with packs; 576 rows and more gain).
+const TAIL_MIN_ROWS: usize = 512;
+
+/// `(n, per)` of [`Tails`] for rows of `blocks` blocks in groups of `width`: packed when
+/// at least two rows' last blocks share a group.
+fn tail_pack(blocks: usize, width: usize) -> Option<(usize, usize)> {
+    let n = blocks % width;
+    (width == WIDE && n > 0 && width / n >= 2).then(|| (n, width / n))
 }
 
 /// Where Q5_0's fifth bit of byte `i` of lane (block) `j`'s product `v` lies in
@@ -99,6 +128,35 @@ impl Lanes {
     pub(crate) fn pack(ty: BlockType, rows: usize, cols: usize, data: &[u8], width: usize) -> Self {
         debug_assert!(width == WIDE || width == NARROW);
         let blocks = cols / 32;
+        let Some((n, per)) = tail_pack(blocks, width).filter(|_| rows >= TAIL_MIN_ROWS) else {
+            return Self::pack_groups(ty, rows, blocks, data, width);
+        };
+        let bb = ty.block_bytes();
+        let whole = blocks - n;
+        let head: Vec<u8> = (0..rows)
+            .flat_map(|r| &data[r * blocks * bb..(r * blocks + whole) * bb])
+            .copied()
+            .collect();
+        let mut lanes = Self::pack_groups(ty, rows, whole, &head, width);
+        // Rows past the last (a partial pack) stay zero blocks: scale 0, never read out.
+        let packs = rows.div_ceil(per);
+        let mut tail = vec![0u8; packs * per * n * bb];
+        for r in 0..rows {
+            let from = (r * blocks + whole) * bb;
+            tail[r * n * bb..(r + 1) * n * bb].copy_from_slice(&data[from..from + n * bb]);
+        }
+        let tail = Self::pack_groups(ty, packs, per * n, &tail, width);
+        lanes.tails = Some(Box::new(Tails {
+            n,
+            per,
+            lanes: tail,
+        }));
+        lanes
+    }
+
+    /// [`Lanes::pack`] of rows of `blocks` blocks, every group (the last one partial)
+    /// in the row's own groups.
+    fn pack_groups(ty: BlockType, rows: usize, blocks: usize, data: &[u8], width: usize) -> Self {
         let groups = blocks.div_ceil(width);
         let flip = Self::flips(ty, width);
         let qbytes = if ty == BlockType::Q8_0 { 32 } else { 16 };
@@ -157,6 +215,7 @@ impl Lanes {
             h,
             hpb,
             bits,
+            tails: None,
         }
     }
 
@@ -180,6 +239,18 @@ impl Lanes {
 
     /// Row `r` in GGUF's layout again (the other kernels and the embedding read it).
     pub(crate) fn gguf_row(&self, r: usize, out: &mut Vec<u8>) {
+        self.gguf_groups(r, out);
+        if let Some(t) = &self.tails {
+            let bb = self.ty.block_bytes();
+            let mut pack = Vec::new();
+            t.lanes.gguf_groups(r / t.per, &mut pack);
+            let k = r % t.per;
+            out.extend_from_slice(&pack[k * t.n * bb..(k + 1) * t.n * bb]);
+        }
+    }
+
+    /// The blocks of row `r` held in its own groups, in GGUF's layout.
+    fn gguf_groups(&self, r: usize, out: &mut Vec<u8>) {
         let bb = self.ty.block_bytes();
         out.clear();
         out.resize(self.blocks * bb, 0);
@@ -219,7 +290,8 @@ impl Lanes {
     }
 
     pub(crate) fn size_in_bytes(&self) -> usize {
-        self.q.len() + 2 * self.h.len() + 8 * self.bits.len()
+        let tails = self.tails.as_ref().map_or(0, |t| t.lanes.size_in_bytes());
+        self.q.len() + 2 * self.h.len() + 8 * self.bits.len() + tails
     }
 }
 
@@ -233,12 +305,42 @@ pub(crate) struct LaneActs {
     pub(crate) q: Vec<i8>,
     pub(crate) d: Vec<f32>,
     pub(crate) sum: Vec<f32>,
+    /// For matrices whose last blocks are packed across rows ([`Tails`]): each token's
+    /// last `n` blocks repeated `per` times, one group a token.
+    pub(crate) tail: Option<Box<LaneActs>>,
 }
 
 impl LaneActs {
     pub(crate) fn of(acts: &Activations, width: usize) -> Self {
         let blocks = acts.cols() / 32;
-        let groups = blocks.div_ceil(width);
+        let mut lane_acts =
+            Self::place(acts, width, blocks.div_ceil(width), 0..blocks, 1, |b, _| {
+                (b / width, b % width)
+            });
+        if let Some((n, per)) = tail_pack(blocks, width) {
+            let first = blocks - n;
+            lane_acts.tail = Some(Box::new(Self::place(
+                acts,
+                width,
+                1,
+                first..blocks,
+                per,
+                |b, k| (0, k * n + b - first),
+            )));
+        }
+        lane_acts
+    }
+
+    /// `groups` groups a token; each block `b` of `blocks`, `copies` times, at the (group,
+    /// lane) `at(b, copy)`.
+    fn place(
+        acts: &Activations,
+        width: usize,
+        groups: usize,
+        blocks: std::ops::Range<usize>,
+        copies: usize,
+        at: impl Fn(usize, usize) -> (usize, usize),
+    ) -> Self {
         let t = acts.rows();
         let group_bytes = 32 * width;
         let mut q = vec![0i8; t * groups * group_bytes];
@@ -246,18 +348,20 @@ impl LaneActs {
         let mut sum = vec![0f32; t * groups * width];
         for tok in 0..t {
             let (xq, xd, _) = acts.row(tok);
-            for b in 0..blocks {
-                let (g, j) = (b / width, b % width);
+            for b in blocks.clone() {
                 let src = &xq[b * 32..b * 32 + 32];
-                let base = (tok * groups + g) * group_bytes;
-                for v in 0..8 {
-                    let at = base + v * 4 * width + j * 4;
-                    q[at..at + 4].copy_from_slice(&src[4 * v..4 * v + 4]);
-                }
-                let at = (tok * groups + g) * width + j;
-                d[at] = xd[b];
                 let s: i32 = src.iter().map(|&v| v as i32).sum();
-                sum[at] = xd[b] * s as f32;
+                for copy in 0..copies {
+                    let (g, j) = at(b, copy);
+                    let base = (tok * groups + g) * group_bytes;
+                    for v in 0..8 {
+                        let at = base + v * 4 * width + j * 4;
+                        q[at..at + 4].copy_from_slice(&src[4 * v..4 * v + 4]);
+                    }
+                    let at = (tok * groups + g) * width + j;
+                    d[at] = xd[b];
+                    sum[at] = xd[b] * s as f32;
+                }
             }
         }
         Self {
@@ -266,6 +370,7 @@ impl LaneActs {
             q,
             d,
             sum,
+            tail: None,
         }
     }
 
@@ -358,7 +463,77 @@ pub(crate) use pass_rows;
 /// The CPU has AVX-512 F/BW and VNNI; `x` was made from activations of `w`'s width;
 /// `out` points at `tokens * w.rows` floats of which no other thread writes `range`.
 unsafe fn rows_wide(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
-    pass_rows!(dot, w, x, range, out)
+    pass_rows!(dot, w, x, range.clone(), out);
+    if let (Some(tails), Some(xt)) = (&w.tails, &x.tail) {
+        // SAFETY: forwarded (the same features, `out` and rows).
+        unsafe { add_tails(w.rows, tails, xt, range, out) }
+    }
+}
+
+/// Adds each row's share of its [`Tails`] pack to `out`, for rows `range` and every
+/// token of `x` (the tail activations).
+///
+/// # Safety
+/// As [`rows_wide`]'s.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn add_tails(
+    rows: usize,
+    tails: &Tails,
+    x: &LaneActs,
+    range: std::ops::Range<usize>,
+    out: *mut f32,
+) {
+    if range.is_empty() {
+        return;
+    }
+    let (tokens, w, n, per) = (x.tokens(), &tails.lanes, tails.n, tails.per);
+    let iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // Lane k·n of each pack row's segment, where its sum lands.
+    let leads = (0..per).fold(0u16, |m, k| m | (1 << (k * n)));
+    macro_rules! pack {
+        ($t:literal, $p:expr, $tok:expr) => {{
+            // SAFETY: the features are the caller's contract; pack and tokens in range.
+            let acc = unsafe {
+                match w.inner_loop() {
+                    BYTES => dot_acc::<1, $t, BYTES>(w, [$p], x, $tok),
+                    NIBBLES => dot_acc::<1, $t, NIBBLES>(w, [$p], x, $tok),
+                    _ => dot_acc::<1, $t, NIBBLES_AND_BITS>(w, [$p], x, $tok),
+                }
+            };
+            // The pack's rows this thread writes.
+            let mine = (0..per).fold(0u16, |m, k| {
+                m | ((range.contains(&($p * per + k)) as u16) << k)
+            });
+            for (t, &v) in acc[0].iter().enumerate() {
+                // Each segment's lanes summed in order into its first lane, the sums
+                // side by side, then added to the rows' outputs.
+                let mut seg = v;
+                for j in 1..n {
+                    let next = _mm512_add_epi32(iota, _mm512_set1_epi32(j as i32));
+                    seg = _mm512_add_ps(seg, _mm512_permutexvar_ps(next, v));
+                }
+                let shares = _mm512_maskz_compress_ps(leads, seg);
+                // SAFETY: the masked lanes are this thread's rows of `out` (the contract).
+                unsafe {
+                    let o = out.add(($tok + t) * rows + $p * per);
+                    let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mine, o), shares);
+                    _mm512_mask_storeu_ps(o, mine, sum);
+                }
+            }
+        }};
+    }
+    for p in range.start / tails.per..=(range.end - 1) / tails.per {
+        let mut tok = 0;
+        while tok < tokens {
+            match tokens - tok {
+                1 => pack!(1, p, tok),
+                2 => pack!(2, p, tok),
+                3 => pack!(3, p, tok),
+                _ => pack!(4, p, tok),
+            }
+            tok += 4;
+        }
+    }
 }
 
 /// `R` rows times tokens `first..first + T`; `KIND`: a weight a byte, two, or two with
@@ -372,6 +547,25 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
     first: usize,
     out: &mut [[f32; R]; T],
 ) {
+    // SAFETY: forwarded.
+    let acc = unsafe { dot_acc::<R, T, KIND>(w, rows, x, first) };
+    for r in 0..R {
+        for t in 0..T {
+            out[t][r] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+}
+
+/// [`dot`]'s per-lane sums before the lanes are added up (lane `j`: the blocks in lane
+/// `j` of every group).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
+    w: &Lanes,
+    rows: [usize; R],
+    x: &LaneActs,
+    first: usize,
+) -> [[__m512; T]; R] {
     let m4 = _mm512_set1_epi8(0x0F);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
@@ -391,8 +585,11 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
         };
         let mask16 = ((1u32 << n) - 1) as u16;
         let mut dots = [[_mm512_setzero_si512(); T]; R];
-        let xg: [*const i8; T] =
-            std::array::from_fn(|t| unsafe { x.q.as_ptr().add(((first + t) * groups + g) * 512) });
+        // The activations' groups: the matrix's whole groups then, where its last blocks
+        // are packed apart ([`Tails`]), one more.
+        let xg: [*const i8; T] = std::array::from_fn(|t| unsafe {
+            x.q.as_ptr().add(((first + t) * x.groups + g) * 512)
+        });
         for v in 0..qb / 4 {
             for r in 0..R {
                 // SAFETY: the mask keeps the load inside the group's `n * 4` bytes of
@@ -436,7 +633,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                     _mm512_mul_ps(d, offset_of_d)
                 };
                 for t in 0..T {
-                    let xat = ((first + t) * groups + g) * WIDE;
+                    let xat = ((first + t) * x.groups + g) * WIDE;
                     let dx = _mm512_loadu_ps(x.d.as_ptr().add(xat));
                     let sum = _mm512_loadu_ps(x.sum.as_ptr().add(xat));
                     acc[r][t] = _mm512_fmadd_ps(c, sum, acc[r][t]);
@@ -446,11 +643,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             }
         }
     }
-    for r in 0..R {
-        for t in 0..T {
-            out[t][r] = _mm512_reduce_add_ps(acc[r][t]);
-        }
-    }
+    acc
 }
 
 #[cfg(test)]
@@ -468,8 +661,9 @@ mod tests {
             BlockType::Q8_0,
         ] {
             // 1, 16, 17 and 35 blocks: a lone group, a full one, tails of 1 and 3.
-            for blocks in [1, 16, 17, 35] {
-                let (rows, bb) = (3, ty.block_bytes());
+            // Too few rows for packs, and enough.
+            for (blocks, rows) in [1, 16, 17, 35].into_iter().flat_map(|b| [(b, 3), (b, 517)]) {
+                let bb = ty.block_bytes();
                 let mut data: Vec<u8> = (0..rows * blocks * bb)
                     .map(|i| (i * 37 % 253) as u8)
                     .collect();

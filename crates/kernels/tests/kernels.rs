@@ -236,6 +236,10 @@ fn every_block_type_on_every_instruction_set_matches_the_reference() {
                 // Batches past one AMX panel (32 rows) and one step (32 tokens).
                 (37, 2, 35),
                 (20, 3, 12),
+                // Tall enough for each row's last blocks packed across rows: one block
+                // left (16 rows a pack), two (8 a pack, the last pack partial).
+                (520, 17, 1),
+                (530, 18, 5),
             ] {
                 for fill in [Fill::Random, Fill::Zero, Fill::Huge, Fill::Tiny] {
                     seed += 1;
@@ -343,15 +347,17 @@ fn rows_in_a_batch_equal_each_alone_bit_for_bit() {
     // leave remainders; 17 blocks of 32 leave a lone one): a scheduler may slice a
     // prompt any way and batch it with anything.
     let mut rng = Rng(11);
-    for (ty, cols) in BlockType::ALL.into_iter().flat_map(|ty| {
+    for (ty, cols, rows) in BlockType::ALL.into_iter().flat_map(|ty| {
         let widths: &[usize] = if ty.block_size() == 256 {
             &[768]
         } else {
             &[576, 544]
         };
-        widths.iter().map(move |&c| (ty, c))
+        // 517 rows: tall enough for the lane layout to pack the rows' last blocks.
+        widths
+            .iter()
+            .flat_map(move |&c| [(ty, c, 11), (ty, c, 517)])
     }) {
-        let rows = 11;
         let data = make_matrix(ty, rows, cols, Fill::Random, &mut rng);
         let m = QuantMatrix::new(ty, rows, cols, data).expect("matrix");
         for isa in Isa::available().into_iter().filter(|&i| i != Isa::Amx) {
