@@ -12,7 +12,9 @@
 //! CPU one prompt token costs about as much as a whole decode step of a small model, so
 //! a 256-token slice would stall every stream for a quarter of a second. [`StepCosts`]
 //! learns the costs as the instance runs and [`prompt_budget`] keeps a step with streams
-//! within a bound times a decode-only step (Sarathi-Serve's rule, in time).
+//! within a bound times a decode-only step (Sarathi-Serve's rule, in time), once a
+//! stream is past its first tokens ([`gap_for`]: requests that arrive together are read
+//! together).
 
 /// How much one step and one instance may hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -312,6 +314,21 @@ pub struct StepBounds {
 /// A prompt-only step takes at least this many tokens however slow they are: fewer would
 /// read the weights for too little work.
 pub const MIN_SLICE: usize = 32;
+
+/// A stream is held to the gap bound once it has this many tokens.
+pub const SETTLED: usize = 4;
+
+/// The gap bound for the next step, given how many of the decoding streams have
+/// [`SETTLED`]: `bound` while any has; none (0) while every stream is in its first
+/// tokens. Requests arriving together — clients started at once, an agent's parallel
+/// calls — are then read together in a step or two, where the bound would let the
+/// first run ahead while the others' prompts trickle in a few tokens a step (eight
+/// short chat prompts on smollm2: about 25 steps, the first stream then finishing
+/// alone as long after the others). A young stream may wait once for prompts that came
+/// with it, within the step-time bound; one that has settled keeps its rhythm.
+pub fn gap_for(bound: f64, settled: usize) -> f64 {
+    if settled > 0 { bound } else { 0.0 }
+}
 
 /// The most prompt tokens the next step may take beside `decoding` streams: within the
 /// token budget, within `bounds.gap` times a decode-only step when there are streams

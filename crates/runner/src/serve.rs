@@ -14,8 +14,8 @@ use shoal_tokenizer::{ChatMessage, ToolCallStream, ToolCallSyntax, ToolEvent};
 use crate::SplitModel;
 use crate::control::{ErrorKind, FromRunner, GenerateRequest, Timings, ToRunner, Usage};
 use crate::scheduler::{
-    Limits, Running, StepBounds, StepCosts, Waiting, Work, admit, fits_at_all, kept_to_free,
-    may_queue, next_step, prompt_budget, reserved,
+    Limits, Running, SETTLED, StepBounds, StepCosts, Waiting, Work, admit, fits_at_all, gap_for,
+    kept_to_free, may_queue, next_step, prompt_budget, reserved,
 };
 use crate::step::{Logits, Part};
 
@@ -297,6 +297,8 @@ struct Flight {
     decoding: usize,
     prompt_tokens: usize,
     budget: usize,
+    /// The gap bound it was sized under (0: none).
+    gap: f64,
 }
 
 /// Serves until the node closes the inbox (Ok) or the instance breaks (Err, after every
@@ -580,9 +582,14 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
         }
         let running: Vec<Running> = self.running.iter().map(Seq::running).collect();
         let decoding = running.iter().filter(|r| r.decoding()).count();
+        let settled = self
+            .running
+            .iter()
+            .filter(|s| s.decoder.generated().len() >= SETTLED)
+            .count();
         let limits = &self.config.limits;
         let bounds = StepBounds {
-            gap: self.config.gap_bound,
+            gap: gap_for(self.config.gap_bound, settled),
             ms: self.config.step_ms,
         };
         let budget = prompt_budget(&self.costs, decoding, bounds, limits);
@@ -596,6 +603,7 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
             decoding: 0,
             prompt_tokens: 0,
             budget,
+            gap: bounds.gap,
         };
         let mut parts = Vec::with_capacity(work.len());
         let mut prefilled = Vec::new();
@@ -702,7 +710,12 @@ impl<'e, T: Transport> Serving<'e, '_, T> {
     /// A step's time, for the costs that size the next ones' prompt slices.
     fn observe(&mut self, f: &Flight) {
         let ms = f.started.elapsed().as_secs_f64() * 1e3;
-        self.costs.observe(f.decoding, f.prompt_tokens, ms);
+        // A big slice beside young streams costs less a token than the few tokens the
+        // gap bound lets in beside settled ones; learning from it would size those too
+        // large.
+        if f.gap > 0.0 || f.decoding == 0 || f.prompt_tokens == 0 {
+            self.costs.observe(f.decoding, f.prompt_tokens, ms);
+        }
         let (decoding, prompt_tokens, budget) = (f.decoding, f.prompt_tokens, f.budget);
         tracing::debug!(decoding, prompt_tokens, budget, ms, "step");
     }

@@ -475,3 +475,64 @@ fn no_prompt_row_is_read_alone_unless_the_prompt_is_one_token() {
         ]
     );
 }
+
+#[test]
+fn prompts_arriving_with_a_young_stream_are_read_together_but_a_settled_one_keeps_its_gap() {
+    let l = Limits {
+        step_tokens: 256,
+        max_batch: 8,
+        ..limits()
+    };
+    // Decode-only steps of 10 ms; a prompt token beside them 2 ms.
+    let mut costs = StepCosts::default();
+    for _ in 0..40 {
+        costs.observe(1, 0, 10.0);
+        costs.observe(1, 6, 22.0);
+    }
+    // Eight clients at once: the first's prompt was read alone, seven wait (10 tokens
+    // each) beside its stream.
+    let mut r = vec![running(1, 10, 10)];
+    r.extend((2..=8).map(|id| running(id, 10, 0)));
+    let bounds = |settled| StepBounds {
+        gap: gap_for(2.0, settled),
+        ms: 500.0,
+    };
+    // While no stream has SETTLED tokens: every prompt whole in this one step.
+    let budget = prompt_budget(&costs, 1, bounds(0), &l);
+    let step = next_step(&r, &l, budget);
+    assert_eq!(step.len(), 8, "{step:?}");
+    assert!(step[1..].iter().all(|w| matches!(
+        w,
+        Work::Prefill {
+            len: 10,
+            last: true,
+            ..
+        }
+    )));
+    // Once it has: (0.8 · 2 − 1) · 10 ms of room at 2 ms a token, three tokens.
+    let budget = prompt_budget(&costs, 1, bounds(1), &l);
+    assert_eq!(budget, 3);
+    let step = next_step(&r, &l, budget);
+    let prompt: usize = step
+        .iter()
+        .map(|w| match w {
+            Work::Prefill { len, .. } => *len,
+            Work::Decode { .. } => 0,
+        })
+        .sum();
+    assert!(prompt <= 4, "{step:?}");
+    // Whatever the streams' age, the step-time bound holds: 400 ms of 2 ms tokens.
+    let long = [running(1, 10, 10), running(2, 4000, 0)];
+    let budget = prompt_budget(&costs, 1, bounds(0), &l);
+    assert_eq!(budget, 195);
+    assert_eq!(
+        next_step(&long, &l, budget)[1],
+        Work::Prefill {
+            id: 2,
+            start: 0,
+            len: 195,
+            last: false
+        }
+    );
+    assert_eq!(gap_for(2.0, 3), 2.0);
+}
