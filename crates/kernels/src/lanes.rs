@@ -1,6 +1,7 @@
 //! Weights repacked at load so that each 32-bit lane of a product holds one whole block
-//! (Q4_0, Q4_1, Q5_0 and Q8_0): groups of 16 blocks for AVX-512 VNNI's 512-bit products
-//! (this module's kernel), of 8 for AVX2's 256-bit ones (`lanes_avx2`).
+//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's 32-weight sub-blocks in groups of 16, `lanes_k`):
+//! groups of 16 blocks for AVX-512 VNNI's 512-bit products (this module's kernel), of 8
+//! for AVX2's 256-bit ones (`lanes_avx2`).
 //!
 //! In GGUF's layout a `vpdpbusd` over 64 consecutive weights sums two blocks, each over
 //! eight lanes, so every product is converted to floats and scaled at once: per 64
@@ -26,6 +27,7 @@
 use std::arch::x86_64::*;
 
 use crate::BlockType;
+use crate::lanes_k::KScales;
 use crate::matmul::Activations;
 
 /// Blocks per group for AVX-512 (one per 32-bit lane of 512 bits).
@@ -33,12 +35,14 @@ pub(crate) const WIDE: usize = 16;
 /// Blocks per group for AVX2 (one per 32-bit lane of 256 bits).
 pub(crate) const NARROW: usize = 8;
 
-/// Whether `ty` can be repacked.
-pub(crate) fn takes(ty: BlockType) -> bool {
-    matches!(
-        ty,
-        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0
-    )
+/// Whether `ty` can be repacked in groups of `width` (Q4_K in groups of 16 only:
+/// [`crate::lanes_k`]).
+pub(crate) fn takes(ty: BlockType, width: usize) -> bool {
+    match ty {
+        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0 => true,
+        BlockType::Q4K => width == WIDE,
+        _ => false,
+    }
 }
 
 /// A matrix of 32-weight blocks in the lane layout: `w = d·u + c` per block, `u` the
@@ -68,6 +72,9 @@ pub(crate) struct Lanes {
     /// The rows' last blocks, where they are packed across rows (`blocks` then counts
     /// only the whole groups before them).
     pub(crate) tails: Option<Box<Tails>>,
+    /// For Q4_K: its sub-blocks held as Q4_1 blocks (`ty`), whose scales and offsets
+    /// come from these instead of `h` (empty).
+    pub(crate) k: Option<Box<KScales>>,
 }
 
 /// The last `n` blocks of every row (a partial group of at most 8), `per` rows' to a
@@ -128,6 +135,12 @@ impl Lanes {
     pub(crate) fn pack(ty: BlockType, rows: usize, cols: usize, data: &[u8], width: usize) -> Self {
         debug_assert!(width == WIDE || width == NARROW);
         let blocks = cols / 32;
+        if ty == BlockType::Q4K {
+            let (q41, k) = crate::lanes_k::split(rows, cols, data);
+            let mut lanes = Self::pack_groups(BlockType::Q4_1, rows, blocks, &q41, width);
+            (lanes.h, lanes.hpb, lanes.k) = (Vec::new(), 0, Some(Box::new(k)));
+            return lanes;
+        }
         let Some((n, per)) = tail_pack(blocks, width).filter(|_| rows >= TAIL_MIN_ROWS) else {
             return Self::pack_groups(ty, rows, blocks, data, width);
         };
@@ -216,6 +229,7 @@ impl Lanes {
             hpb,
             bits,
             tails: None,
+            k: None,
         }
     }
 
@@ -239,6 +253,11 @@ impl Lanes {
 
     /// Row `r` in GGUF's layout again (the other kernels and the embedding read it).
     pub(crate) fn gguf_row(&self, r: usize, out: &mut Vec<u8>) {
+        if let Some(k) = &self.k {
+            let mut q41 = Vec::new();
+            self.gguf_groups(r, &mut q41);
+            return crate::lanes_k::join(k, r, &q41, out);
+        }
         self.gguf_groups(r, out);
         if let Some(t) = &self.tails {
             let bb = self.ty.block_bytes();
@@ -260,9 +279,13 @@ impl Lanes {
             let n = (self.blocks - g * width).min(width);
             let at = r * self.blocks * self.hpb + g * width * self.hpb;
             let blk = &mut out[b * bb..(b + 1) * bb];
-            blk[0..2].copy_from_slice(&self.h[at + j].to_le_bytes());
-            let first = if self.hpb == 2 {
-                blk[2..4].copy_from_slice(&self.h[at + n + j].to_le_bytes());
+            if self.hpb > 0 {
+                blk[0..2].copy_from_slice(&self.h[at + j].to_le_bytes());
+            }
+            let first = if self.ty == BlockType::Q4_1 {
+                if self.hpb == 2 {
+                    blk[2..4].copy_from_slice(&self.h[at + n + j].to_le_bytes());
+                }
                 4
             } else if self.ty == BlockType::Q5_0 {
                 let mut qh = 0u32;
@@ -291,7 +314,8 @@ impl Lanes {
 
     pub(crate) fn size_in_bytes(&self) -> usize {
         let tails = self.tails.as_ref().map_or(0, |t| t.lanes.size_in_bytes());
-        self.q.len() + 2 * self.h.len() + 8 * self.bits.len() + tails
+        let k = self.k.as_ref().map_or(0, |k| k.size_in_bytes());
+        self.q.len() + 2 * self.h.len() + 8 * self.bits.len() + tails + k
     }
 }
 
@@ -625,12 +649,17 @@ unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
         for r in 0..R {
             // SAFETY: the masks keep the loads inside the group's `n` scales (and offsets).
             unsafe {
-                let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * WIDE * hpb);
-                let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at as *const i16));
-                let c = if hpb == 2 {
-                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at.add(n) as *const i16))
+                let (d, c) = if let Some(k) = &w.k {
+                    crate::lanes_k::lane_scales(k, blocks, rows[r], g, n)
                 } else {
-                    _mm512_mul_ps(d, offset_of_d)
+                    let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * WIDE * hpb);
+                    let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at as *const i16));
+                    let c = if hpb == 2 {
+                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at.add(n) as *const i16))
+                    } else {
+                        _mm512_mul_ps(d, offset_of_d)
+                    };
+                    (d, c)
                 };
                 for t in 0..T {
                     let xat = ((first + t) * x.groups + g) * WIDE;
@@ -683,6 +712,26 @@ mod tests {
                         assert_eq!(&row[..], want, "{ty:?}, {blocks} blocks, row {r}, {width}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_k_rows_come_back_byte_for_byte() {
+        // 1, 2 and 3 super-blocks: half a group, a full one, one and a half. Every bit
+        // of a super-block is used (scales included), so any bytes must come back.
+        for supers in [1, 2, 3] {
+            let (rows, bb) = (5, BlockType::Q4K.block_bytes());
+            let data: Vec<u8> = (0..rows * supers * bb)
+                .map(|i| (i * 131 % 251) as u8)
+                .collect();
+            let lanes = Lanes::pack(BlockType::Q4K, rows, supers * 256, &data, WIDE);
+            assert!(lanes.k.is_some() && lanes.h.is_empty());
+            let mut row = Vec::new();
+            for r in 0..rows {
+                lanes.gguf_row(r, &mut row);
+                let want = &data[r * supers * bb..(r + 1) * supers * bb];
+                assert_eq!(&row[..], want, "{supers} super-blocks, row {r}");
             }
         }
     }

@@ -34,10 +34,10 @@ fn lane_width(isa: Isa) -> Option<usize> {
 /// and AVX2 machines, unless `SHOAL_LANES=0` (to compare with GGUF's layout).
 #[cfg(target_arch = "x86_64")]
 fn repack(ty: BlockType) -> Option<usize> {
-    if !crate::lanes::takes(ty) || std::env::var("SHOAL_LANES").is_ok_and(|v| v == "0") {
+    if std::env::var("SHOAL_LANES").is_ok_and(|v| v == "0") {
         return None;
     }
-    lane_width(Isa::detect())
+    lane_width(Isa::detect()).filter(|&width| crate::lanes::takes(ty, width))
 }
 
 impl QuantMatrix {
