@@ -1,5 +1,5 @@
 //! Weights repacked at load so that each 32-bit lane of a product holds one whole block
-//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's 32-weight sub-blocks in groups of 16, `lanes_k`):
+//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's 32-weight sub-blocks in groups of 16, `lanes::k`):
 //! groups of 16 blocks for AVX-512 VNNI's 512-bit products (this module's kernel), of 8
 //! for AVX2's 256-bit ones (`lanes_avx2`).
 //!
@@ -27,21 +27,23 @@
 use std::arch::x86_64::*;
 
 use crate::BlockType;
-use crate::lanes_k::KScales;
-use crate::matmul::Activations;
+
+mod acts;
+mod k;
+pub(crate) use acts::LaneActs;
+use k::KScales;
 
 /// Blocks per group for AVX-512 (one per 32-bit lane of 512 bits).
 pub(crate) const WIDE: usize = 16;
 /// Blocks per group for AVX2 (one per 32-bit lane of 256 bits).
 pub(crate) const NARROW: usize = 8;
 
-/// Whether `ty` can be repacked in groups of `width` (Q4_K in groups of 16 only:
-/// [`crate::lanes_k`]).
+/// Whether `ty` can be repacked in groups of `width` (the K-quants in groups of 16
+/// only: [`k`]).
 pub(crate) fn takes(ty: BlockType, width: usize) -> bool {
     match ty {
         BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0 => true,
-        BlockType::Q4K => width == WIDE,
-        _ => false,
+        BlockType::Q4K | BlockType::Q6K => width == WIDE,
     }
 }
 
@@ -69,11 +71,13 @@ pub(crate) struct Lanes {
     /// in two words of 64 bits a product in groups of 16, in one word's two halves in
     /// groups of 8. GGUF's 4 bytes a block for a full group, more for a row's last one.
     pub(crate) bits: Vec<u64>,
+    /// Q6_K's sixth bits, as `bits` holds its fifth (empty for the other types).
+    pub(crate) bits6: Vec<u64>,
     /// The rows' last blocks, where they are packed across rows (`blocks` then counts
     /// only the whole groups before them).
     pub(crate) tails: Option<Box<Tails>>,
-    /// For Q4_K: its sub-blocks held as Q4_1 blocks (`ty`), whose scales and offsets
-    /// come from these instead of `h` (empty).
+    /// For Q4_K and Q6_K: their blocks held as Q4_1 or Q8_0 blocks (`ty`), whose
+    /// scales and offsets come from these instead of `h` (empty).
     pub(crate) k: Option<Box<KScales>>,
 }
 
@@ -124,10 +128,26 @@ fn bit_slot(
     }
 }
 
+/// Prefetches the line at `base + at`; never faults, so it may lie past the end.
+#[inline(always)]
+pub(crate) fn fetch(base: *const u8, at: usize) {
+    // SAFETY: SSE is part of every x86_64; a prefetch reads nothing the program sees.
+    unsafe { _mm_prefetch(base.wrapping_add(at) as *const i8, _MM_HINT_T0) };
+}
+
+/// Rows of a K-quant matrix repacked at a time.
+const K_CHUNK_ROWS: usize = 1024;
+
+/// Bytes of quants fetched ahead of the loads.
+const AHEAD: usize = 2048;
+
 /// Which inner loop a block type takes.
 pub(crate) const BYTES: u8 = 0;
 pub(crate) const NIBBLES: u8 = 1;
 pub(crate) const NIBBLES_AND_BITS: u8 = 2;
+/// Nibbles with a fifth and a sixth bit from planes, each block's first and last 16
+/// weights (its low and high nibbles) summed apart (Q6_K).
+pub(crate) const SIX_BITS: u8 = 3;
 
 impl Lanes {
     /// Repacks `rows` rows of GGUF blocks of type `ty` (one of [`takes`]) in groups of
@@ -135,10 +155,45 @@ impl Lanes {
     pub(crate) fn pack(ty: BlockType, rows: usize, cols: usize, data: &[u8], width: usize) -> Self {
         debug_assert!(width == WIDE || width == NARROW);
         let blocks = cols / 32;
+        if matches!(ty, BlockType::Q4K | BlockType::Q6K) && rows > K_CHUNK_ROWS {
+            // In pieces of rows, so that the split's temporary copies stay small (the
+            // whole matrix's raised the load's peak by 330 MB on a 1.5B Q4_K model).
+            let row_bytes = ty.row_bytes(cols);
+            let mut pieces = data
+                .chunks(K_CHUNK_ROWS * row_bytes)
+                .map(|d| Self::pack(ty, d.len() / row_bytes, cols, d, width));
+            let mut all = pieces.next().expect("rows");
+            for p in pieces {
+                all.rows += p.rows;
+                all.q.extend_from_slice(&p.q);
+                all.bits.extend_from_slice(&p.bits);
+                all.bits6.extend_from_slice(&p.bits6);
+                if let (Some(k), Some(pk)) = (all.k.as_mut(), p.k.as_ref()) {
+                    k.append(pk);
+                }
+            }
+            return all;
+        }
         if ty == BlockType::Q4K {
-            let (q41, k) = crate::lanes_k::split(rows, cols, data);
+            let (q41, k) = k::split(rows, cols, data);
             let mut lanes = Self::pack_groups(BlockType::Q4_1, rows, blocks, &q41, width);
             (lanes.h, lanes.hpb, lanes.k) = (Vec::new(), 0, Some(Box::new(k)));
+            return lanes;
+        }
+        if ty == BlockType::Q6K {
+            let (q41, high, k) = k::split6(rows, cols, data);
+            let mut lanes = Self::pack_groups(BlockType::Q4_1, rows, blocks, &q41, width);
+            (lanes.h, lanes.hpb, lanes.k) = (Vec::new(), 0, Some(Box::new(k)));
+            let groups = lanes.groups;
+            lanes.bits = vec![0u64; rows * groups * width / 2];
+            lanes.bits6 = vec![0u64; rows * groups * width / 2];
+            for (at, &h) in high.iter().enumerate() {
+                let (r, b, l) = (at / (blocks * 32), at / 32 % blocks, at % 32);
+                let (v, i, upper) = (l % 16 / 4, l % 4, l >= 16);
+                let (slot, shift) = bit_slot(width, groups, r, b / width, v, upper, b % width, i);
+                lanes.bits[slot] |= ((h & 1) as u64) << shift;
+                lanes.bits6[slot] |= ((h >> 1) as u64) << shift;
+            }
             return lanes;
         }
         let Some((n, per)) = tail_pack(blocks, width).filter(|_| rows >= TAIL_MIN_ROWS) else {
@@ -228,6 +283,7 @@ impl Lanes {
             h,
             hpb,
             bits,
+            bits6: Vec::new(),
             tails: None,
             k: None,
         }
@@ -243,7 +299,15 @@ impl Lanes {
         }
     }
 
+    /// Whether the kernel reads the activations' half-block sums ([`LaneActs::of`]).
+    pub(crate) fn halves(&self) -> bool {
+        self.inner_loop() == SIX_BITS
+    }
+
     pub(crate) fn inner_loop(&self) -> u8 {
+        if self.k.as_ref().is_some_and(|k| k.six) {
+            return SIX_BITS;
+        }
         match self.ty {
             BlockType::Q8_0 => BYTES,
             BlockType::Q5_0 => NIBBLES_AND_BITS,
@@ -254,9 +318,23 @@ impl Lanes {
     /// Row `r` in GGUF's layout again (the other kernels and the embedding read it).
     pub(crate) fn gguf_row(&self, r: usize, out: &mut Vec<u8>) {
         if let Some(k) = &self.k {
-            let mut q41 = Vec::new();
-            self.gguf_groups(r, &mut q41);
-            return crate::lanes_k::join(k, r, &q41, out);
+            let mut blocks = Vec::new();
+            self.gguf_groups(r, &mut blocks);
+            return if k.six {
+                let high: Vec<u8> = (0..self.blocks * 32)
+                    .map(|at| {
+                        let (b, l) = (at / 32, at % 32);
+                        let (v, i, upper) = (l % 16 / 4, l % 4, l >= 16);
+                        let (g, j) = (b / self.width, b % self.width);
+                        let (slot, shift) = bit_slot(self.width, self.groups, r, g, v, upper, j, i);
+                        let bit = |plane: &[u64]| ((plane[slot] >> shift) & 1) as u8;
+                        bit(&self.bits) | (bit(&self.bits6) << 1)
+                    })
+                    .collect();
+                k::join6(k, r, &blocks, &high, out)
+            } else {
+                k::join(k, r, &blocks, out)
+            };
         }
         self.gguf_groups(r, out);
         if let Some(t) = &self.tails {
@@ -315,91 +393,7 @@ impl Lanes {
     pub(crate) fn size_in_bytes(&self) -> usize {
         let tails = self.tails.as_ref().map_or(0, |t| t.lanes.size_in_bytes());
         let k = self.k.as_ref().map_or(0, |k| k.size_in_bytes());
-        self.q.len() + 2 * self.h.len() + 8 * self.bits.len() + tails + k
-    }
-}
-
-/// Activations transposed as [`Lanes`] reads them: per token and group, 8 vectors of
-/// `4·width` bytes (vector `v`, lane `j`: bytes `4v..4v+4` of block `j`), zeros past the
-/// last block; the blocks' scales and `d·Σq` sums, `width` per group (zeros past the
-/// last block).
-pub(crate) struct LaneActs {
-    pub(crate) groups: usize,
-    pub(crate) width: usize,
-    pub(crate) q: Vec<i8>,
-    pub(crate) d: Vec<f32>,
-    pub(crate) sum: Vec<f32>,
-    /// For matrices whose last blocks are packed across rows ([`Tails`]): each token's
-    /// last `n` blocks repeated `per` times, one group a token.
-    pub(crate) tail: Option<Box<LaneActs>>,
-}
-
-impl LaneActs {
-    pub(crate) fn of(acts: &Activations, width: usize) -> Self {
-        let blocks = acts.cols() / 32;
-        let mut lane_acts =
-            Self::place(acts, width, blocks.div_ceil(width), 0..blocks, 1, |b, _| {
-                (b / width, b % width)
-            });
-        if let Some((n, per)) = tail_pack(blocks, width) {
-            let first = blocks - n;
-            lane_acts.tail = Some(Box::new(Self::place(
-                acts,
-                width,
-                1,
-                first..blocks,
-                per,
-                |b, k| (0, k * n + b - first),
-            )));
-        }
-        lane_acts
-    }
-
-    /// `groups` groups a token; each block `b` of `blocks`, `copies` times, at the (group,
-    /// lane) `at(b, copy)`.
-    fn place(
-        acts: &Activations,
-        width: usize,
-        groups: usize,
-        blocks: std::ops::Range<usize>,
-        copies: usize,
-        at: impl Fn(usize, usize) -> (usize, usize),
-    ) -> Self {
-        let t = acts.rows();
-        let group_bytes = 32 * width;
-        let mut q = vec![0i8; t * groups * group_bytes];
-        let mut d = vec![0f32; t * groups * width];
-        let mut sum = vec![0f32; t * groups * width];
-        for tok in 0..t {
-            let (xq, xd, _) = acts.row(tok);
-            for b in blocks.clone() {
-                let src = &xq[b * 32..b * 32 + 32];
-                let s: i32 = src.iter().map(|&v| v as i32).sum();
-                for copy in 0..copies {
-                    let (g, j) = at(b, copy);
-                    let base = (tok * groups + g) * group_bytes;
-                    for v in 0..8 {
-                        let at = base + v * 4 * width + j * 4;
-                        q[at..at + 4].copy_from_slice(&src[4 * v..4 * v + 4]);
-                    }
-                    let at = (tok * groups + g) * width + j;
-                    d[at] = xd[b];
-                    sum[at] = xd[b] * s as f32;
-                }
-            }
-        }
-        Self {
-            groups,
-            width,
-            q,
-            d,
-            sum,
-            tail: None,
-        }
-    }
-
-    pub(crate) fn tokens(&self) -> usize {
-        self.q.len() / (self.groups * 32 * self.width).max(1)
+        self.q.len() + 2 * self.h.len() + 8 * (self.bits.len() + self.bits6.len()) + tails + k
     }
 }
 
@@ -412,6 +406,10 @@ impl LaneActs {
 /// `out` points at `tokens * w.rows` floats of which no other thread writes `range`.
 pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
     debug_assert_eq!(w.width, x.width);
+    assert!(
+        !w.halves() || x.sum_lo.len() == x.sum.len(),
+        "Q6_K without half sums"
+    );
     // SAFETY: forwarded.
     unsafe {
         if w.width == NARROW {
@@ -441,6 +439,7 @@ macro_rules! pass_rows {
                 unsafe {
                     match w.inner_loop() {
                         BYTES => $dot::<$r, $t, BYTES>(w, rows, x, $tok, &mut vals),
+                        SIX_BITS => $dot::<$r, $t, SIX_BITS>(w, rows, x, $tok, &mut vals),
                         NIBBLES => $dot::<$r, $t, NIBBLES>(w, rows, x, $tok, &mut vals),
                         _ => $dot::<$r, $t, NIBBLES_AND_BITS>(w, rows, x, $tok, &mut vals),
                     }
@@ -600,6 +599,8 @@ unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
         _ => -128.0,
     });
     let fifth = _mm512_set1_epi8(0x10);
+    let sixth = _mm512_set1_epi8(0x20);
+    let minus32 = _mm512_set1_ps(-32.0);
     for g in 0..groups {
         let n = (blocks - g * WIDE).min(WIDE);
         let mask: u64 = if n == WIDE {
@@ -609,11 +610,38 @@ unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
         };
         let mask16 = ((1u32 << n) - 1) as u16;
         let mut dots = [[_mm512_setzero_si512(); T]; R];
+        // Q6_K's second halves (SIX_BITS).
+        let mut dots_hi = [[_mm512_setzero_si512(); T]; R];
         // The activations' groups: the matrix's whole groups then, where its last blocks
         // are packed apart ([`Tails`]), one more.
         let xg: [*const i8; T] = std::array::from_fn(|t| unsafe {
             x.q.as_ptr().add(((first + t) * x.groups + g) * 512)
         });
+        // As in `lanes_avx2`: the loads of a row read from memory come too late to hide
+        // its latency (one thread read 12 GB/s of Q4_1 out of cache, 9 of Q4_K): fetch
+        // AHEAD bytes of quants ahead, and the scales as far ahead in rows. Prefetching
+        // never faults: the address may lie past the end.
+        for &row in &rows {
+            let at = row * blocks * qb + g * WIDE * qb;
+            for line in (0..n * qb).step_by(64) {
+                fetch(w.q.as_ptr(), at + line + AHEAD);
+            }
+            let ahead = AHEAD / (WIDE * qb);
+            for plane in [&w.bits, &w.bits6] {
+                if !plane.is_empty() {
+                    fetch(
+                        plane.as_ptr() as *const u8,
+                        ((row * groups + g + ahead) * 8) * 8,
+                    );
+                }
+            }
+            if let Some(k) = &w.k {
+                fetch(k.meta_ptr(), k.meta_ahead(row, g, ahead));
+            } else {
+                let at = (row * blocks + g * WIDE) * hpb * 2;
+                fetch(w.h.as_ptr() as *const u8, at + AHEAD * hpb * 2 / qb);
+            }
+        }
         for v in 0..qb / 4 {
             for r in 0..R {
                 // SAFETY: the mask keeps the load inside the group's `n * 4` bytes of
@@ -626,16 +654,31 @@ unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
                     if KIND != BYTES {
                         let mut lo = _mm512_and_si512(raw, m4);
                         let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
-                        if KIND == NIBBLES_AND_BITS {
-                            let planes = w.bits.as_ptr().add((rows[r] * groups + g) * 8 + 2 * v);
+                        if KIND == NIBBLES_AND_BITS || KIND == SIX_BITS {
+                            let slot = (rows[r] * groups + g) * 8 + 2 * v;
+                            let planes = w.bits.as_ptr().add(slot);
                             lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(*planes, fifth));
                             hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(*planes.add(1), fifth));
+                            if KIND == SIX_BITS {
+                                let planes = w.bits6.as_ptr().add(slot);
+                                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(*planes, sixth));
+                                hi = _mm512_or_si512(
+                                    hi,
+                                    _mm512_maskz_mov_epi8(*planes.add(1), sixth),
+                                );
+                            }
                         }
                         for t in 0..T {
                             let xl = _mm512_loadu_si512(xg[t].add(v * 64) as *const _);
                             let xh = _mm512_loadu_si512(xg[t].add((4 + v) * 64) as *const _);
                             dots[r][t] = _mm512_dpbusd_epi32(dots[r][t], lo, xl);
-                            dots[r][t] = _mm512_dpbusd_epi32(dots[r][t], hi, xh);
+                            // Q6_K: the high nibbles are the block's second sub-block.
+                            let d = if KIND == SIX_BITS {
+                                &mut dots_hi
+                            } else {
+                                &mut dots
+                            };
+                            d[r][t] = _mm512_dpbusd_epi32(d[r][t], hi, xh);
                         }
                     } else {
                         for t in 0..T {
@@ -649,8 +692,27 @@ unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
         for r in 0..R {
             // SAFETY: the masks keep the loads inside the group's `n` scales (and offsets).
             unsafe {
+                if let Some(k) = w.k.as_ref().filter(|_| KIND == SIX_BITS) {
+                    // Q6_K: w = d·sc·(q − 32) a half, q unsigned.
+                    let (lo, hi) = k::lane_scales6(k, rows[r], g, n);
+                    let (clo, chi) = (_mm512_mul_ps(lo, minus32), _mm512_mul_ps(hi, minus32));
+                    for t in 0..T {
+                        let xat = ((first + t) * x.groups + g) * WIDE;
+                        let dx = _mm512_loadu_ps(x.d.as_ptr().add(xat));
+                        let slo = _mm512_loadu_ps(x.sum_lo.as_ptr().add(xat));
+                        let shi = _mm512_loadu_ps(x.sum_hi.as_ptr().add(xat));
+                        let a = &mut acc[r][t];
+                        *a = _mm512_fmadd_ps(clo, slo, *a);
+                        *a = _mm512_fmadd_ps(chi, shi, *a);
+                        let lo_dot = _mm512_cvtepi32_ps(dots[r][t]);
+                        *a = _mm512_fmadd_ps(lo_dot, _mm512_mul_ps(lo, dx), *a);
+                        let hi_dot = _mm512_cvtepi32_ps(dots_hi[r][t]);
+                        *a = _mm512_fmadd_ps(hi_dot, _mm512_mul_ps(hi, dx), *a);
+                    }
+                    continue;
+                }
                 let (d, c) = if let Some(k) = &w.k {
-                    crate::lanes_k::lane_scales(k, blocks, rows[r], g, n)
+                    k::lane_scales(k, rows[r], g, n)
                 } else {
                     let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * WIDE * hpb);
                     let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask16, at as *const i16));
@@ -676,63 +738,4 @@ unsafe fn dot_acc<const R: usize, const T: usize, const KIND: u8>(
 }
 
 #[cfg(test)]
-mod tests {
-    use half::f16;
-
-    use super::*;
-
-    #[test]
-    fn rows_come_back_in_gguf_layout_byte_for_byte() {
-        for ty in [
-            BlockType::Q4_0,
-            BlockType::Q4_1,
-            BlockType::Q5_0,
-            BlockType::Q8_0,
-        ] {
-            // 1, 16, 17 and 35 blocks: a lone group, a full one, tails of 1 and 3.
-            // Too few rows for packs, and enough.
-            for (blocks, rows) in [1, 16, 17, 35].into_iter().flat_map(|b| [(b, 3), (b, 517)]) {
-                let bb = ty.block_bytes();
-                let mut data: Vec<u8> = (0..rows * blocks * bb)
-                    .map(|i| (i * 37 % 253) as u8)
-                    .collect();
-                for (k, blk) in data.chunks_exact_mut(bb).enumerate() {
-                    let d = f16::from_f32(0.01 * (k + 1) as f32);
-                    blk[0..2].copy_from_slice(&d.to_le_bytes());
-                    if ty == BlockType::Q4_1 {
-                        blk[2..4].copy_from_slice(&f16::from_f32(-0.5).to_le_bytes());
-                    }
-                }
-                for width in [WIDE, NARROW] {
-                    let lanes = Lanes::pack(ty, rows, blocks * 32, &data, width);
-                    let mut row = Vec::new();
-                    for r in 0..rows {
-                        lanes.gguf_row(r, &mut row);
-                        let want = &data[r * blocks * bb..(r + 1) * blocks * bb];
-                        assert_eq!(&row[..], want, "{ty:?}, {blocks} blocks, row {r}, {width}");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn q4_k_rows_come_back_byte_for_byte() {
-        // 1, 2 and 3 super-blocks: half a group, a full one, one and a half. Every bit
-        // of a super-block is used (scales included), so any bytes must come back.
-        for supers in [1, 2, 3] {
-            let (rows, bb) = (5, BlockType::Q4K.block_bytes());
-            let data: Vec<u8> = (0..rows * supers * bb)
-                .map(|i| (i * 131 % 251) as u8)
-                .collect();
-            let lanes = Lanes::pack(BlockType::Q4K, rows, supers * 256, &data, WIDE);
-            assert!(lanes.k.is_some() && lanes.h.is_empty());
-            let mut row = Vec::new();
-            for r in 0..rows {
-                lanes.gguf_row(r, &mut row);
-                let want = &data[r * supers * bb..(r + 1) * supers * bb];
-                assert_eq!(&row[..], want, "{supers} super-blocks, row {r}");
-            }
-        }
-    }
-}
+mod tests;

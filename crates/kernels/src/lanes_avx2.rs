@@ -20,7 +20,7 @@
 use std::arch::x86_64::*;
 
 use crate::BlockType;
-use crate::lanes::{BYTES, LaneActs, Lanes, NARROW, NIBBLES, NIBBLES_AND_BITS};
+use crate::lanes::{BYTES, LaneActs, Lanes, NARROW, NIBBLES, NIBBLES_AND_BITS, SIX_BITS, fetch};
 
 /// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`
 /// ([`crate::lanes::pass_rows`] with this kernel).
@@ -102,9 +102,6 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             // and fifth bits as far ahead in rows (rows follow one another, so this runs on
             // into the next pass's). Prefetching never faults: the address may lie past
             // the end.
-            let fetch = |base: *const u8, at: usize| {
-                _mm_prefetch(base.wrapping_add(at) as *const i8, _MM_HINT_T0);
-            };
             let at = row * blocks * qb + g * NARROW * qb;
             for line in (0..NARROW * qb).step_by(64) {
                 fetch(w.q.as_ptr(), at + line + AHEAD);

@@ -19,8 +19,6 @@ mod dot;
 mod fused;
 mod lanes;
 mod lanes_avx2;
-#[cfg(target_arch = "x86_64")]
-mod lanes_k;
 mod matmul;
 mod pool;
 mod tile;

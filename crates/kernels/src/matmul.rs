@@ -276,7 +276,7 @@ pub fn matmul_with(
     #[cfg(target_arch = "x86_64")]
     if let Some(lanes) = w.lanes_for(isa) {
         let acts = Activations::quantize(x, t, w.cols)?;
-        let acts = crate::lanes::LaneActs::of(&acts, lanes.width);
+        let acts = crate::lanes::LaneActs::of(&acts, lanes.width, lanes.halves());
         let out_addr = out.as_mut_ptr() as usize;
         pool.run_chunks(w.rows, chunk_rows(pool, w.rows, w.cols, t), &|range| {
             // SAFETY: the Isa is available (checked above) and runs the kernel of the
@@ -482,10 +482,12 @@ pub fn matmul_many_with(
     }
     let acts = Activations::quantize(x, t, cols)?;
     #[cfg(target_arch = "x86_64")]
-    let lane_acts = ws
-        .iter()
-        .find_map(|w| w.lanes_for(isa))
-        .map(|l| crate::lanes::LaneActs::of(&acts, l.width));
+    let lane_acts = ws.iter().find_map(|w| w.lanes_for(isa)).map(|l| {
+        let halves = ws
+            .iter()
+            .any(|w| w.lanes_for(isa).is_some_and(|l| l.halves()));
+        crate::lanes::LaneActs::of(&acts, l.width, halves)
+    });
     let total: usize = ws.iter().map(|w| w.rows).sum();
     let outs: Vec<usize> = outs.iter_mut().map(|o| o.as_mut_ptr() as usize).collect();
     pool.run_chunks(total, chunk_rows(pool, total, cols, t), &|piece| {
