@@ -158,28 +158,30 @@ pub(crate) fn unpack_row(ty: BlockType, row: &[u8], out: &mut Unpacked) {
         }
         BlockType::Q6K => {
             for (b, blk) in row.chunks_exact(bb).enumerate() {
-                let ql = &blk[0..128];
-                let qh = &blk[128..192];
                 let sc = &blk[192..208];
                 let d = f16_at(blk, 208);
-                for half in 0..2 {
-                    let ql = &ql[half * 64..half * 64 + 64];
-                    let qh = &qh[half * 32..half * 32 + 32];
-                    let base = b * 256 + half * 128;
-                    let q = &mut out.q[base..base + 128];
-                    for l in 0..32 {
-                        q[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
-                        q[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
-                        q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-                        q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-                    }
-                }
+                q6k_quants(blk, &mut out.q[b * 256..b * 256 + 256]);
                 for (h, &s) in sc.iter().enumerate() {
                     let s = d * (s as i8) as f32;
                     out.scale[b * 16 + h] = s;
                     out.bias[b * 16 + h] = -32.0 * s;
                 }
             }
+        }
+    }
+}
+
+/// A Q6_K super-block's 256 quants (0..64, unsigned) into `q`, in weight order.
+pub(crate) fn q6k_quants(blk: &[u8], q: &mut [u8]) {
+    for half in 0..2 {
+        let ql = &blk[half * 64..half * 64 + 64];
+        let qh = &blk[128 + half * 32..128 + half * 32 + 32];
+        let q = &mut q[half * 128..half * 128 + 128];
+        for l in 0..32 {
+            q[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+            q[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+            q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
         }
     }
 }

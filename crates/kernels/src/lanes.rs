@@ -1,5 +1,5 @@
 //! Weights repacked at load so that each 32-bit lane of a product holds one whole block
-//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's 32-weight sub-blocks in groups of 16, `lanes::k`):
+//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's and Q6_K's in groups of 16, [`k`]):
 //! groups of 16 blocks for AVX-512 VNNI's 512-bit products (this module's kernel), of 8
 //! for AVX2's 256-bit ones (`lanes_avx2`).
 //!
@@ -76,8 +76,9 @@ pub(crate) struct Lanes {
     /// The rows' last blocks, where they are packed across rows (`blocks` then counts
     /// only the whole groups before them).
     pub(crate) tails: Option<Box<Tails>>,
-    /// For Q4_K and Q6_K: their blocks held as Q4_1 or Q8_0 blocks (`ty`), whose
-    /// scales and offsets come from these instead of `h` (empty).
+    /// For Q4_K and Q6_K: their blocks held as Q4_1 blocks (`ty`; Q6_K's fifth and
+    /// sixth bits in `bits` and `bits6`), whose scales and offsets come from these
+    /// instead of `h` (empty).
     pub(crate) k: Option<Box<KScales>>,
 }
 
@@ -126,6 +127,13 @@ fn bit_slot(
     } else {
         (base + v, (4 * j + i + 32 * high as usize) as u32)
     }
+}
+
+/// [`bit_slot`] of weight `l` (0..32) of row `r`'s block `b`, in a nibble layout (weight
+/// `l < 16` the low nibble of byte `l`, the others the high nibble of byte `l − 16`).
+fn weight_slot(width: usize, groups: usize, r: usize, b: usize, l: usize) -> (usize, u32) {
+    let (v, i, high) = (l % 16 / 4, l % 4, l >= 16);
+    bit_slot(width, groups, r, b / width, v, high, b % width, i)
 }
 
 /// Prefetches the line at `base + at`; never faults, so it may lie past the end.
@@ -189,8 +197,7 @@ impl Lanes {
             lanes.bits6 = vec![0u64; rows * groups * width / 2];
             for (at, &h) in high.iter().enumerate() {
                 let (r, b, l) = (at / (blocks * 32), at / 32 % blocks, at % 32);
-                let (v, i, upper) = (l % 16 / 4, l % 4, l >= 16);
-                let (slot, shift) = bit_slot(width, groups, r, b / width, v, upper, b % width, i);
+                let (slot, shift) = weight_slot(width, groups, r, b, l);
                 lanes.bits[slot] |= ((h & 1) as u64) << shift;
                 lanes.bits6[slot] |= ((h >> 1) as u64) << shift;
             }
@@ -324,9 +331,7 @@ impl Lanes {
                 let high: Vec<u8> = (0..self.blocks * 32)
                     .map(|at| {
                         let (b, l) = (at / 32, at % 32);
-                        let (v, i, upper) = (l % 16 / 4, l % 4, l >= 16);
-                        let (g, j) = (b / self.width, b % self.width);
-                        let (slot, shift) = bit_slot(self.width, self.groups, r, g, v, upper, j, i);
+                        let (slot, shift) = weight_slot(self.width, self.groups, r, b, l);
                         let bit = |plane: &[u64]| ((plane[slot] >> shift) & 1) as u8;
                         bit(&self.bits) | (bit(&self.bits6) << 1)
                     })
@@ -560,7 +565,7 @@ unsafe fn add_tails(
 }
 
 /// `R` rows times tokens `first..first + T`; `KIND`: a weight a byte, two, or two with
-/// their fifth bits beside.
+/// their fifth (and sixth) bits beside.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(

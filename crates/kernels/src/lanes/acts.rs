@@ -17,7 +17,7 @@ pub(crate) struct LaneActs {
     /// `d·Σq` over each block's first 16 bytes and over its last 16 (Q6_K's halves).
     pub(crate) sum_lo: Vec<f32>,
     pub(crate) sum_hi: Vec<f32>,
-    /// For matrices whose last blocks are packed across rows ([`Tails`]): each token's
+    /// For matrices whose last blocks are packed across rows ([`super::Tails`]): each token's
     /// last `n` blocks repeated `per` times, one group a token.
     pub(crate) tail: Option<Box<LaneActs>>,
 }

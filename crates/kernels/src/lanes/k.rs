@@ -25,7 +25,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::blocks::scale_min_k4;
+use crate::blocks::{q6k_quants, scale_min_k4};
 
 /// Bytes of a Q4_K and a Q6_K super-block, and of a Q4_1 block.
 const K_BYTES: usize = 144;
@@ -111,7 +111,8 @@ pub(crate) fn split6(rows: usize, cols: usize, data: &[u8]) -> (Vec<u8>, Vec<u8>
         let (r, s) = (at / supers, at % supers);
         let h = k.half(r, s, 0);
         k.meta[h].copy_from_slice(&blk[208..210]);
-        let q = six_bit_quants(blk);
+        let mut q = [0u8; 256];
+        q6k_quants(blk, &mut q);
         for j in 0..8 {
             let b = s * 8 + j;
             k.set(k.value(r, b, 0), blk[192 + 2 * j]);
@@ -130,23 +131,6 @@ pub(crate) fn split6(rows: usize, cols: usize, data: &[u8]) -> (Vec<u8>, Vec<u8>
         }
     }
     (q41, high, k)
-}
-
-/// A Q6_K super-block's 256 quants (0..64) in weight order.
-fn six_bit_quants(blk: &[u8]) -> [u8; 256] {
-    let mut q = [0u8; 256];
-    for half in 0..2 {
-        let ql = &blk[half * 64..half * 64 + 64];
-        let qh = &blk[128 + half * 32..128 + half * 32 + 32];
-        let q = &mut q[half * 128..half * 128 + 128];
-        for l in 0..32 {
-            q[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
-            q[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
-            q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
-            q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
-        }
-    }
-    q
 }
 
 /// Row `r` in Q6_K's layout again, from its Q4_1 blocks and high bits as [`split6`] made
