@@ -12,11 +12,15 @@
 #       bf16 weight rows' first loads before the wait for the kernel ahead (default) or after
 #       MODES="graphs apart": rope and the KV append in the bf16 q/k/v projection (default)
 #       or in a kernel of their own; MODES="graphs keys1 warps4 keys1warps4" the attention
-#       kernel's keys a warp at a time (4 by default) and warps a block (8)
+#       kernel's keys a warp at a time (4 by default) and warps a block (8);
+#       MODES="graphs dispatch splits64 dispatch64" the attention kernel compiled per group
+#       size (default) or one for every group, and its splits one wave of blocks (default)
+#       or 64
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
-#       every kernel of one 512-token prompt instead
+#       every kernel of one 512-token prompt instead; DEPTH=N: the decode kernels after N
+#       tokens of context (COUNT of them, default 1200) instead of after a 512-token prompt
 #   scripts/gpu-check.sh batch [SHAPE:DTYPE...] one GPU: generation of BATCHES (default
 #       "1 8 32") sequences decoding together (bench --local --batch), total tok/s:
 #       $OUT/batch.jsonl
@@ -49,6 +53,9 @@ mode_env() { # mode
     keys1) env=(SHOAL_GPU_KEYS=1) ;;
     warps4) env=(SHOAL_GPU_ATTN_WARPS=4) ;;
     keys1warps4) env=(SHOAL_GPU_KEYS=1 SHOAL_GPU_ATTN_WARPS=4) ;;
+    dispatch) env=(SHOAL_GPU_ATTN=dispatch) ;;
+    splits64) env=(SHOAL_GPU_ATTN_SPLITS=64) ;;
+    dispatch64) env=(SHOAL_GPU_ATTN=dispatch SHOAL_GPU_ATTN_SPLITS=64) ;;
     *) echo "unknown mode $1" >&2; exit 2 ;;
   esac
 }
@@ -166,20 +173,28 @@ if [ "$what" = profile ]; then
   for one in ${@:-qwen2.5-1.5b:q4k llama-8b:bf16 llama-8b:q4k}; do
     IFS=: read -r shape dt <<<"$one"
     file=$(model_file "$shape" "$dt")
+    tag=
     if [ "${PROFILE:-decode}" = prefill ]; then
       # Every kernel of one 512-token prompt (the warm-up run; no generation).
       select=(--launch-count "${COUNT:-3000}") run=(--pp 512 --tg 0 -r 0)
     else
       # Decode kernels only (shoal_*), launched eagerly, past the first 1200 (a few
       # tokens): the prompt (candle's path) launches none of them.
-      select=(--kernel-name regex:shoal_ --launch-skip 1200 --launch-count 1200)
+      select=(--kernel-name regex:shoal_ --launch-skip 1200 --launch-count "${COUNT:-1200}")
       run=(--pp 512 --tg 64 -r 1)
+      if [ -n "${DEPTH:-}" ]; then
+        # The prompt's own kernels (prefill.cu) are named shoal_ too: only decode's.
+        select=(--kernel-name 'regex:^shoal_(attention|attn_merge|matvec|gate_up|qkv_rope|rope_append)'
+          --launch-skip 400 --launch-count "${COUNT:-1200}")
+        run=(--pp 0 --tg 64 -r 0 --depth "$DEPTH")
+        tag=-d$DEPTH
+      fi
     fi
     SHOAL_CUDA_GRAPHS=0 timeout "${PROFILE_TIMEOUT:-300}" "$ncu" --clock-control none "${select[@]}" \
       --csv --page raw --print-units base \
-      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size \
-      /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 "${run[@]}" \
-      >"$out/profile-$shape-$dt.csv" 2>"$out/profile-err.txt"
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active \
+      /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx $(( ${DEPTH:-0} + 2048 )) "${run[@]}" \
+      >"$out/profile-$shape-$dt$tag.csv" 2>"$out/profile-err.txt"
     echo "ncu exit $? for $one"; tail -3 "$out/profile-err.txt"
     done_with "$file"
   done
@@ -192,18 +207,21 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "profile-*.csv"))):
     if start < 0:
         print(f"{path}: no kernels profiled"); continue
     rows = list(csv.DictReader(io.StringIO(text[start:])))[1:]  # the second row: units
-    per = defaultdict(lambda: [0, 0.0, 0.0])
+    per = defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0])
+    num = lambda r, m: float((r.get(m) or "0").replace(",", "") or 0)
     for r in rows:
         k = r["Kernel Name"].split("(")[0]
-        t = float(r["gpu__time_duration.sum"].replace(",", ""))
-        b = float(r["dram__bytes_read.sum"].replace(",", ""))
+        t = num(r, "gpu__time_duration.sum")
+        b = num(r, "dram__bytes_read.sum")
         per[k][0] += 1; per[k][1] += t; per[k][2] += b
+        per[k][3] = max(per[k][3], int(num(r, "launch__registers_per_thread")))
+        per[k][4] += num(r, "sm__warps_active.avg.pct_of_peak_sustained_active")
     total = sum(v[1] for v in per.values())
     print(f"### {os.path.basename(path)}: {len(rows)} kernels, {total/1e3:,.0f} us of kernel time")
-    print("| kernel | launches | us total | us each | GB/s | share |")
-    print("|---|---|---|---|---|---|")
-    for k, (n, t, b) in sorted(per.items(), key=lambda kv: -kv[1][1]):
-        print(f"| {k} | {n} | {t/1e3:,.1f} | {t/n/1e3:.2f} | {b/t if t else 0:,.0f} | {100*t/total:.1f}% |")
+    print("| kernel | launches | us total | us each | GB/s | share | registers | occupancy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for k, (n, t, b, regs, occ) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {k} | {n} | {t/1e3:,.1f} | {t/n/1e3:.2f} | {b/t if t else 0:,.0f} | {100*t/total:.1f}% | {regs} | {occ/n:.0f}% |")
 PY
 fi
 if [ "$what" = kill ]; then

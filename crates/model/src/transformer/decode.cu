@@ -793,14 +793,24 @@ __device__ __forceinline__ void split_weights(const float2* __restrict__ part_ml
     if (lane == 0) *inv_total = 1.f / total;
 }
 
-// Value d of query head h: the active splits' partials weighted by `coef`, normalized.
-__device__ __forceinline__ float merged_value(const float* __restrict__ part_acc,
-                                              const float* coef, float inv_total, int h,
-                                              int d, int active, int splits, int hd) {
+// Value d of every active split's partial of query head h, into registers: all the
+// loads in flight at once, issued before the split weights are known (a loop of eight
+// at a time waited an L2 round trip per eight splits).
+__device__ __forceinline__ void load_partials(const float* __restrict__ part_acc, int h, int d,
+                                              int active, int splits, int hd,
+                                              float v[MAX_SPLITS]) {
+#pragma unroll
+    for (int s = 0; s < MAX_SPLITS; s++)
+        v[s] = s < active ? part_acc[((size_t)h * splits + s) * hd + d] : 0.f;
+}
+
+// The partials `v` weighted by `coef`, normalized.
+__device__ __forceinline__ float merged_value(const float v[MAX_SPLITS], const float* coef,
+                                              float inv_total, int active) {
     float a = 0.f;
-#pragma unroll 8
-    for (int s = 0; s < active; s++)
-        a += part_acc[((size_t)h * splits + s) * hd + d] * coef[s];
+#pragma unroll
+    for (int s = 0; s < MAX_SPLITS; s++)
+        if (s < active) a += v[s] * coef[s];
     return a * inv_total;
 }
 
@@ -984,20 +994,52 @@ ATTENTION(shoal_attention, KEYS)
 ATTENTION(shoal_attention_keys1, 1)
 #undef ATTENTION
 
+// shoal_attention compiled for one group size: the kernel above switches on `group` at
+// run time, so its registers are those of the widest group (8 heads' queries and sums a
+// lane), which holds a narrower group's blocks to the occupancy of the widest.
+#define ATTENTION_G(G)                                                                        \
+    extern "C" __global__ void shoal_attention_g##G(                                          \
+        const float* __restrict__ q, const bf16* __restrict__ k_cache,                        \
+        const bf16* __restrict__ v_cache, const int* __restrict__ pos_ptr,                    \
+        float* __restrict__ part_acc, float2* __restrict__ part_ml, int group, int hd,        \
+        int cap, float scale) {                                                               \
+        begin_step();                                                                         \
+        attention_block<G, KEYS>(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, hd,   \
+                                 cap, scale);                                                 \
+    }
+ATTENTION_G(1)
+ATTENTION_G(2)
+ATTENTION_G(3)
+ATTENTION_G(4)
+ATTENTION_G(5)
+ATTENTION_G(6)
+ATTENTION_G(7)
+ATTENTION_G(8)
+#undef ATTENTION_G
+
 // shoal_attention for a batch of decode rows: block (kv head, split, token); token b's
 // queries are the first heads of its row of `qkv`, its partials a slice of their own.
-extern "C" __global__ void shoal_attention_batch(const float* __restrict__ qkv,
-                                                 BatchCaches c, float* __restrict__ part_acc,
-                                                 float2* __restrict__ part_ml, int nh,
-                                                 int nkv, int group, int hd, float scale) {
-    begin_step();
-    const int b = blockIdx.z, splits = gridDim.y;
-    const float* q = qkv + (size_t)b * (nh + 2 * nkv) * hd;
-    const bf16 *kc = batch_cache(c, b, 0), *vc = batch_cache(c, b, 1);
-    float* acc = part_acc + (size_t)b * nh * splits * hd;
-    float2* ml = part_ml + (size_t)b * nh * splits;
-    attention_by_group<KEYS>(q, kc, vc, c.pos[b] + 1, acc, ml, group, hd, c.caps[b], scale);
-}
+// (One kernel a group size, as shoal_attention_gG.)
+#define ATTENTION_BATCH(G)                                                                    \
+    extern "C" __global__ void shoal_attention_batch_g##G(                                    \
+        const float* __restrict__ qkv, BatchCaches c, float* __restrict__ part_acc,           \
+        float2* __restrict__ part_ml, int nh, int nkv, int group, int hd, float scale) {      \
+        begin_step();                                                                         \
+        const int b = blockIdx.z, splits = gridDim.y;                                         \
+        const float* q = qkv + (size_t)b * (nh + 2 * nkv) * hd;                               \
+        attention_block<G, KEYS>(q, batch_cache(c, b, 0), batch_cache(c, b, 1), c.pos[b] + 1, \
+                                 part_acc + (size_t)b * nh * splits * hd,                     \
+                                 part_ml + (size_t)b * nh * splits, hd, c.caps[b], scale);    \
+    }
+ATTENTION_BATCH(1)
+ATTENTION_BATCH(2)
+ATTENTION_BATCH(3)
+ATTENTION_BATCH(4)
+ATTENTION_BATCH(5)
+ATTENTION_BATCH(6)
+ATTENTION_BATCH(7)
+ATTENTION_BATCH(8)
+#undef ATTENTION_BATCH
 
 // out[h] = the active splits' partials of query head h merged and normalized, and, where
 // `xq` is given, the same row quantized to 8 bits for a quantized output projection (a
@@ -1011,9 +1053,11 @@ __device__ __forceinline__ void merge_head(const float* __restrict__ part_acc,
     const int active = active_splits(len, splits);
     __shared__ float coef[MAX_SPLITS];
     __shared__ float inv_total;
+    float parts[MAX_SPLITS];
+    load_partials(part_acc, h, d, active, splits, hd, parts);
     if (d < WARP) split_weights(part_ml, h, active, splits, coef, &inv_total);
     __syncthreads();
-    const float v = merged_value(part_acc, coef, inv_total, h, d, active, splits, hd);
+    const float v = merged_value(parts, coef, inv_total, active);
     const int o = h * hd + d;
     out[o] = v;
     if (xq != nullptr) quantize_warp(v, o / 32, xq, xd);

@@ -22,8 +22,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{
     self as cu, CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
 };
 use candle_core::{DType, Device, Tensor};
 
@@ -32,18 +31,18 @@ use crate::{KvCache, ModelError, QLinear, Result, RopeStyle};
 use super::{GpuDecode, Model, RmsNorm};
 
 mod batch;
+mod kernels;
 mod weights;
 
 use batch::BatchBufs;
+pub(super) use kernels::Arg;
+use kernels::{
+    ATTN_WARPS, Kernels, MATVEC_WARPS, NORM_MAX, QSegments, RopeInto, Segments, attention_shared,
+    attention_splits, cfg, norm_threads, split_for,
+};
 
 use weights::{Linear, linear, norm_ptr, tensor_ptr};
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
-const MODULE: &str = "shoal_decode";
-/// Warps per block of the mat-vec kernels (a team of `split_for` warps a row).
-const MATVEC_WARPS: u32 = 4;
-/// Warps per block of the attention kernel (one token's: `SHOAL_GPU_ATTN_WARPS` to compare).
-const ATTN_WARPS: u32 = 8;
 /// Graphs kept (one per KV cache the model decoded into lately).
 const GRAPHS_KEPT: usize = 4;
 
@@ -63,99 +62,6 @@ struct Layer {
     gate: Linear,
     up: Linear,
     down: Linear,
-}
-
-/// Up to three matrices stacked as one mat-vec (`decode.cu`'s `Segments`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Segments {
-    w: [u64; 3],
-    bias: [u64; 3],
-    rows: [i32; 3],
-}
-
-/// `decode.cu`'s `QSegments`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct QSegments {
-    w: [u64; 3],
-    bias: [u64; 3],
-    rows: [i32; 3],
-    kind: [i32; 3],
-}
-
-// SAFETY: plain `repr(C)` data of the layout the kernels declare, passed by value.
-unsafe impl DeviceRepr for Segments {}
-unsafe impl DeviceRepr for QSegments {}
-unsafe impl DeviceRepr for RopeInto {}
-
-/// Rope and the KV append done by the q/k/v projection (`decode.cu`'s `RopeInto`).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct RopeInto {
-    inv_freq: u64,
-    pos: u64,
-    k_cache: u64,
-    v_cache: u64,
-    nh: i32,
-    nkv: i32,
-    hd: i32,
-    cap: i32,
-    interleaved: i32,
-}
-
-struct Kernels {
-    rmsnorm: CudaFunction,
-    quantize: CudaFunction,
-    matvec_bf16: CudaFunction,
-    matvec_quant: CudaFunction,
-    gate_up_bf16: CudaFunction,
-    qkv_rope_bf16: CudaFunction,
-    gate_up_quant: CudaFunction,
-    rope_append: CudaFunction,
-    attention: CudaFunction,
-    attn_merge: CudaFunction,
-    rope_append_batch: CudaFunction,
-    attention_batch: CudaFunction,
-    attn_merge_batch: CudaFunction,
-}
-
-impl Kernels {
-    fn load(device: &candle_core::CudaDevice) -> Result<Self> {
-        let f = |name: &str| -> Result<CudaFunction> {
-            Ok(device
-                .get_or_load_custom_func(name, MODULE, PTX)?
-                .into_cuda_function())
-        };
-        // The bf16 mat-vecs with their first weight loads after the wait for the kernel
-        // ahead, not before (`decode.cu`'s `preload`), to compare.
-        let variant = if std::env::var("SHOAL_GPU_LATE").as_deref() == Ok("1") {
-            "_late"
-        } else {
-            ""
-        };
-        // One key a warp at a time instead of `decode.cu`'s KEYS, to compare at depth.
-        let attention = if std::env::var("SHOAL_GPU_KEYS").as_deref() == Ok("1") {
-            "shoal_attention_keys1"
-        } else {
-            "shoal_attention"
-        };
-        Ok(Self {
-            rmsnorm: f("shoal_rmsnorm")?,
-            quantize: f("shoal_quantize_q8")?,
-            matvec_bf16: f(&format!("shoal_matvec_bf16{variant}"))?,
-            matvec_quant: f("shoal_matvec_quant")?,
-            gate_up_bf16: f(&format!("shoal_gate_up_bf16{variant}"))?,
-            qkv_rope_bf16: f(&format!("shoal_qkv_rope_bf16{variant}"))?,
-            gate_up_quant: f("shoal_gate_up_quant")?,
-            rope_append: f("shoal_rope_append")?,
-            attention: f(attention)?,
-            attn_merge: f("shoal_attn_merge")?,
-            rope_append_batch: f("shoal_rope_append_batch")?,
-            attention_batch: f("shoal_attention_batch")?,
-            attn_merge_batch: f("shoal_attn_merge_batch")?,
-        })
-    }
 }
 
 /// The buffers a step reads and writes; their addresses are baked into the graphs.
@@ -287,14 +193,6 @@ impl std::fmt::Debug for PlanState {
     }
 }
 
-fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid.0, grid.1, 1),
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: shared,
-    }
-}
-
 impl DecodePlan {
     /// The plan for `model`, or why it does not apply.
     pub(crate) fn build(model: &Model) -> std::result::Result<Self, String> {
@@ -373,10 +271,21 @@ impl DecodePlan {
         let head_linear =
             linear(&head.output, s, &mut keep).ok_or_else(|| unsupported("output"))?;
         let alloc_err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| e.to_string();
-        // Enough splits that the longest context fills the GPU; a short one uses only the
-        // first few (at least 32 positions a split).
-        // At most 64: `decode.cu`'s MAX_SPLITS.
-        let splits = model.max_len.div_ceil(64).clamp(1, 64);
+        let kernels = Kernels::load(device, nh / nkv).map_err(|e| e.to_string())?;
+        let attn_warps = std::env::var("SHOAL_GPU_ATTN_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=16).contains(n))
+            .unwrap_or(ATTN_WARPS);
+        let splits = attention_splits(
+            &kernels.attention,
+            &stream,
+            model.max_len,
+            nkv,
+            nh / nkv,
+            hd,
+            attn_warps,
+        )?;
         let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / hd as f32))
@@ -401,7 +310,6 @@ impl DecodePlan {
             inv_freq: inv,
             logits,
         };
-        let kernels = Kernels::load(device).map_err(|e| e.to_string())?;
         let at = Ptrs::of(&bufs, s).map_err(|e| e.to_string())?;
         Ok(Self {
             stream,
@@ -426,11 +334,7 @@ impl DecodePlan {
             graphs: Vec::new(),
             pdl: std::env::var("SHOAL_GPU_PDL").map_or(true, |v| v != "0"),
             fused_rope: std::env::var("SHOAL_GPU_ROPE").as_deref() != Ok("apart"),
-            attn_warps: std::env::var("SHOAL_GPU_ATTN_WARPS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|n| (1..=16).contains(n))
-                .unwrap_or(ATTN_WARPS),
+            attn_warps,
             chained: Cell::new(None),
             batch: None,
             batch_steps: 0,
@@ -789,8 +693,7 @@ impl DecodePlan {
         } else {
             (0, 0)
         };
-        let warps = self.attn_warps as i32;
-        let shared = (4 * (warps * group * self.hd + 2 * warps * group)) as u32;
+        let shared = attention_shared(self.attn_warps, group, self.hd);
         self.launch(
             &self.kernels.attention,
             cfg((self.nkv as u32, self.splits), self.attn_warps * 32, shared),
@@ -804,49 +707,6 @@ impl DecodePlan {
             cfg((self.nh as u32, 1), self.hd as u32, 0),
             &[&part_acc, &part_ml, &pos, &out, &xq, &xd, &splits, &self.hd],
         )
-    }
-}
-
-/// Values of a row each thread of the RMSNorm kernel holds at most (`decode.cu`'s
-/// NORM_MAX).
-const NORM_MAX: i32 = 8;
-
-/// Threads of the RMSNorm kernel's one block for a row of `n`: four values each (whole
-/// warps), at most 1024.
-fn norm_threads(n: i32) -> u32 {
-    ((n.max(1) as u32).div_ceil(4).div_ceil(32)).clamp(1, 32) * 32
-}
-
-/// Warps that share one output row. A team of four warps a row reads each row as the
-/// block's contiguous run: on the llama-8B shape's matrices alone 3.3-4.1 TB/s against
-/// 2.6-3.9 for a warp a row (scripts/gpu-matvec-bench.cu, one H200). Rows shorter than 2,048
-/// keep the rule measured before on the 1.5b shape (1536-2048 rows: 496 -> 552 tok/s
-/// with 4 warps a row below 2,048 rows, 2 below 4,096).
-/// Quantized rows keep that rule at every length.
-fn split_for(rows: i32, k: i32, quant: bool) -> i32 {
-    match rows {
-        _ if k >= 2048 && !quant => 4,
-        r if r < 2048 => 4,
-        r if r < 4096 => 2,
-        _ => 1,
-    }
-}
-
-/// A kernel argument of any of the types the kernels take (`decode.cu`'s and
-/// `prefill.cu`'s).
-pub(super) trait Arg {
-    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
-    /// The argument's address, as `cuLaunchKernelEx` takes it.
-    fn param(&self) -> *mut std::ffi::c_void;
-}
-
-impl<T: DeviceRepr> Arg for T {
-    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
-        builder.arg(self);
-    }
-
-    fn param(&self) -> *mut std::ffi::c_void {
-        self as *const T as *mut std::ffi::c_void
     }
 }
 

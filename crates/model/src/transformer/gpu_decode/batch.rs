@@ -7,7 +7,7 @@
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 use candle_core::{DType, Tensor};
 
-use super::{ATTN_WARPS, DecodePlan, PlanState, cfg, gpu_err, tensor_ptr};
+use super::{ATTN_WARPS, DecodePlan, PlanState, attention_shared, cfg, gpu_err, tensor_ptr};
 use crate::Result;
 use crate::transformer::{BatchPart, Model};
 
@@ -123,8 +123,7 @@ impl DecodePlan {
         )?;
         let group = self.nh / self.nkv;
         let scale = 1.0 / (self.hd as f32).sqrt();
-        let warps = ATTN_WARPS as i32;
-        let shared = (4 * (warps * group * self.hd + 2 * warps * group)) as u32;
+        let shared = attention_shared(ATTN_WARPS, group, self.hd);
         let three = LaunchConfig {
             grid_dim: (self.nkv as u32, self.splits, b),
             block_dim: (ATTN_WARPS * 32, 1, 1),

@@ -1,0 +1,208 @@
+//! shoal's decode kernels (`decode.cu`, compiled to PTX by the build) as the plan loads
+//! them, the argument records they take, and the launch shapes chosen for a model.
+
+use candle_core::cuda_backend::cudarc::driver::sys as cu;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use crate::Result;
+
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
+pub(super) const MODULE: &str = "shoal_decode";
+/// Warps per block of the mat-vec kernels (a team of `split_for` warps a row).
+pub(super) const MATVEC_WARPS: u32 = 4;
+/// Warps per block of the attention kernel (one token's: `SHOAL_GPU_ATTN_WARPS` to compare).
+pub(super) const ATTN_WARPS: u32 = 8;
+
+/// Up to three matrices stacked as one mat-vec (`decode.cu`'s `Segments`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct Segments {
+    pub(super) w: [u64; 3],
+    pub(super) bias: [u64; 3],
+    pub(super) rows: [i32; 3],
+}
+
+/// `decode.cu`'s `QSegments`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct QSegments {
+    pub(super) w: [u64; 3],
+    pub(super) bias: [u64; 3],
+    pub(super) rows: [i32; 3],
+    pub(super) kind: [i32; 3],
+}
+
+// SAFETY: plain `repr(C)` data of the layout the kernels declare, passed by value.
+unsafe impl DeviceRepr for Segments {}
+unsafe impl DeviceRepr for QSegments {}
+unsafe impl DeviceRepr for RopeInto {}
+
+/// Rope and the KV append done by the q/k/v projection (`decode.cu`'s `RopeInto`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct RopeInto {
+    pub(super) inv_freq: u64,
+    pub(super) pos: u64,
+    pub(super) k_cache: u64,
+    pub(super) v_cache: u64,
+    pub(super) nh: i32,
+    pub(super) nkv: i32,
+    pub(super) hd: i32,
+    pub(super) cap: i32,
+    pub(super) interleaved: i32,
+}
+
+pub(super) struct Kernels {
+    pub(super) rmsnorm: CudaFunction,
+    pub(super) quantize: CudaFunction,
+    pub(super) matvec_bf16: CudaFunction,
+    pub(super) matvec_quant: CudaFunction,
+    pub(super) gate_up_bf16: CudaFunction,
+    pub(super) qkv_rope_bf16: CudaFunction,
+    pub(super) gate_up_quant: CudaFunction,
+    pub(super) rope_append: CudaFunction,
+    pub(super) attention: CudaFunction,
+    pub(super) attn_merge: CudaFunction,
+    pub(super) rope_append_batch: CudaFunction,
+    pub(super) attention_batch: CudaFunction,
+    pub(super) attn_merge_batch: CudaFunction,
+}
+
+impl Kernels {
+    /// The kernels for a model whose KV heads each serve `group` query heads.
+    pub(super) fn load(device: &candle_core::CudaDevice, group: usize) -> Result<Self> {
+        let f = |name: &str| -> Result<CudaFunction> {
+            Ok(device
+                .get_or_load_custom_func(name, MODULE, PTX)?
+                .into_cuda_function())
+        };
+        // The bf16 mat-vecs with their first weight loads after the wait for the kernel
+        // ahead, not before (`decode.cu`'s `preload`), to compare.
+        let variant = if std::env::var("SHOAL_GPU_LATE").as_deref() == Ok("1") {
+            "_late"
+        } else {
+            ""
+        };
+        // The attention compiled for this group size; to compare, the one kernel that
+        // switches on the group at run time (`SHOAL_GPU_ATTN=dispatch`), or that kernel
+        // taking one key a warp at a time instead of `decode.cu`'s KEYS (`SHOAL_GPU_KEYS=1`).
+        let attention = if std::env::var("SHOAL_GPU_KEYS").as_deref() == Ok("1") {
+            "shoal_attention_keys1".to_string()
+        } else if std::env::var("SHOAL_GPU_ATTN").as_deref() == Ok("dispatch") {
+            "shoal_attention".to_string()
+        } else {
+            format!("shoal_attention_g{}", group.clamp(1, 8))
+        };
+        Ok(Self {
+            rmsnorm: f("shoal_rmsnorm")?,
+            quantize: f("shoal_quantize_q8")?,
+            matvec_bf16: f(&format!("shoal_matvec_bf16{variant}"))?,
+            matvec_quant: f("shoal_matvec_quant")?,
+            gate_up_bf16: f(&format!("shoal_gate_up_bf16{variant}"))?,
+            qkv_rope_bf16: f(&format!("shoal_qkv_rope_bf16{variant}"))?,
+            gate_up_quant: f("shoal_gate_up_quant")?,
+            rope_append: f("shoal_rope_append")?,
+            attention: f(&attention)?,
+            attn_merge: f("shoal_attn_merge")?,
+            rope_append_batch: f("shoal_rope_append_batch")?,
+            attention_batch: f(&format!("shoal_attention_batch_g{}", group.clamp(1, 8)))?,
+            attn_merge_batch: f("shoal_attn_merge_batch")?,
+        })
+    }
+}
+
+pub(super) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid.0, grid.1, 1),
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// Bytes of shared memory the attention kernel's block of `warps` takes (its warps'
+/// partial sums for the group's heads, then their maxima and totals).
+pub(super) fn attention_shared(warps: u32, group: i32, hd: i32) -> u32 {
+    let warps = warps as i32;
+    (4 * (warps * group * hd + 2 * warps * group)) as u32
+}
+
+/// Splits of the context for the attention kernel (`decode.cu`'s `attn_chunk`: at least
+/// 32 positions each, so a short context uses only the first few): as many as the GPU
+/// holds blocks of it at once over the KV heads, so that a long context is one wave of
+/// blocks each walking a longer run, not several waves each paying the block's start and
+/// its partial's write, and the merge reads fewer partials (64 splits of an 8B model's 8
+/// KV heads were two waves, and 64 partials a query head to merge). At most the model's
+/// context / 64 and `decode.cu`'s MAX_SPLITS; `SHOAL_GPU_ATTN_SPLITS` sets it, to compare.
+pub(super) fn attention_splits(
+    attention: &CudaFunction,
+    stream: &CudaStream,
+    max_len: usize,
+    nkv: usize,
+    group: usize,
+    hd: usize,
+    warps: u32,
+) -> std::result::Result<usize, String> {
+    let most = max_len.div_ceil(64).clamp(1, 64);
+    if let Some(n) = std::env::var("SHOAL_GPU_ATTN_SPLITS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|n| (1..=64).contains(n))
+    {
+        return Ok(n);
+    }
+    let shared = attention_shared(warps, group as i32, hd as i32) as usize;
+    let per_sm = attention
+        .occupancy_max_active_blocks_per_multiprocessor(warps * 32, shared, None)
+        .map_err(|e| e.to_string())?;
+    let sms = stream
+        .context()
+        .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| e.to_string())?;
+    let resident = (per_sm as usize * sms.max(1) as usize / nkv.max(1)).max(1);
+    Ok(most.min(resident))
+}
+
+/// Values of a row each thread of the RMSNorm kernel holds at most (`decode.cu`'s
+/// NORM_MAX).
+pub(super) const NORM_MAX: i32 = 8;
+
+/// Threads of the RMSNorm kernel's one block for a row of `n`: four values each (whole
+/// warps), at most 1024.
+pub(super) fn norm_threads(n: i32) -> u32 {
+    ((n.max(1) as u32).div_ceil(4).div_ceil(32)).clamp(1, 32) * 32
+}
+
+/// Warps that share one output row. A team of four warps a row reads each row as the
+/// block's contiguous run: on the llama-8B shape's matrices alone 3.3-4.1 TB/s against
+/// 2.6-3.9 for a warp a row (scripts/gpu-matvec-bench.cu, one H200). Rows shorter than 2,048
+/// keep the rule measured before on the 1.5b shape (1536-2048 rows: 496 -> 552 tok/s
+/// with 4 warps a row below 2,048 rows, 2 below 4,096).
+/// Quantized rows keep that rule at every length.
+pub(super) fn split_for(rows: i32, k: i32, quant: bool) -> i32 {
+    match rows {
+        _ if k >= 2048 && !quant => 4,
+        r if r < 2048 => 4,
+        r if r < 4096 => 2,
+        _ => 1,
+    }
+}
+
+/// A kernel argument of any of the types the kernels take (`decode.cu`'s and
+/// `prefill.cu`'s).
+pub(in crate::transformer) trait Arg {
+    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>);
+    /// The argument's address, as `cuLaunchKernelEx` takes it.
+    fn param(&self) -> *mut std::ffi::c_void;
+}
+
+impl<T: DeviceRepr> Arg for T {
+    fn push<'a>(&'a self, builder: &mut candle_core::cuda_backend::cudarc::driver::LaunchArgs<'a>) {
+        builder.arg(self);
+    }
+
+    fn param(&self) -> *mut std::ffi::c_void {
+        self as *const T as *mut std::ffi::c_void
+    }
+}
