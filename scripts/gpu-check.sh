@@ -15,7 +15,9 @@
 #       kernel's keys a warp at a time (4 by default) and warps a block (8);
 #       MODES="graphs dispatch splits64 dispatch64" the attention kernel compiled per group
 #       size (default) or one for every group, and its splits one wave of blocks (default)
-#       or 64
+#       or 64; MODES="graphs nocluster cluster8" attention and its merge as one kernel of
+#       thread-block clusters for caches up to 64 positions a block (default, 16 blocks a
+#       KV head), off, or 8 blocks a KV head
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
@@ -56,6 +58,8 @@ mode_env() { # mode
     dispatch) env=(SHOAL_GPU_ATTN=dispatch) ;;
     splits64) env=(SHOAL_GPU_ATTN_SPLITS=64) ;;
     dispatch64) env=(SHOAL_GPU_ATTN=dispatch SHOAL_GPU_ATTN_SPLITS=64) ;;
+    nocluster) env=(SHOAL_GPU_ATTN_CLUSTER=0) ;;
+    cluster8) env=(SHOAL_GPU_ATTN_CLUSTER=8) ;;
     *) echo "unknown mode $1" >&2; exit 2 ;;
   esac
 }
@@ -81,6 +85,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 if [ "$what" = test ] || [ "$what" = all ]; then
   unpack gpu-test
   /tmp/gpu-test --nocapture 2>&1 | tail -20 | tee "$out/gpu-test.txt"
+  # The tests' contexts are short: the attention's two-kernel path (long caches) as well.
+  SHOAL_GPU_ATTN_CLUSTER=0 /tmp/gpu-test --nocapture 2>&1 | tail -20 | tee "$out/gpu-test-nocluster.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   unpack shoal

@@ -846,19 +846,24 @@ __device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LA
 // shuffles, exponentials and updates wait for the previous head's: 10.7 us for ~580
 // positions on the qwen2.5-1.5b shape, groups of 6), and registers hold G heads, not 8.
 
+//
+// The block's result for query head g goes to acc + g * acc_stride (hd values) and
+// ml[g * ml_stride] (max, sum): the split's slice of the partials in global memory, or
+// (shoal_attention_cluster) the block's own shared memory. A block past the context's
+// end returns at once unless `keep` (a cluster's blocks all reach its barriers).
 template <int G, int K>
 __device__ __forceinline__ void attention_block(const float* __restrict__ q,
                                                 const bf16* __restrict__ k_cache,
                                                 const bf16* __restrict__ v_cache, int len,
-                                                float* __restrict__ part_acc,
-                                                float2* __restrict__ part_ml, int hd,
-                                                int cap, float scale) {
+                                                float* __restrict__ acc_out, int acc_stride,
+                                                float2* __restrict__ ml_out, int ml_stride,
+                                                int hd, int cap, float scale, bool keep) {
     constexpr int group = G;
     const int kvh = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
     const int chunk = attn_chunk(len, splits);
     const int start = split * chunk, end = min(len, start + chunk);
-    if (start >= len) return;  // past the active splits: the merge does not read it
+    if (start >= len && !keep) return;  // past the active splits: the merge does not read it
     const int per_lane = hd / WARP;
 
     float qr[G][MAX_LANE];
@@ -959,10 +964,23 @@ __device__ __forceinline__ void attention_block(const float* __restrict__ q,
                 ls += sl[w * group + g] * c;
             }
         }
-        const int qh = kvh * group + g;
-        part_acc[((size_t)qh * splits + split) * hd + d] = a;
-        if (d == 0) part_ml[qh * splits + split] = make_float2(mx, ls);
+        acc_out[(size_t)g * acc_stride + d] = a;
+        if (d == 0) ml_out[g * ml_stride] = make_float2(mx, ls);
     }
+}
+
+// attention_block's result for split blockIdx.y of KV head blockIdx.x, into the partials.
+template <int G, int K>
+__device__ __forceinline__ void attention_split(const float* __restrict__ q,
+                                                const bf16* __restrict__ k_cache,
+                                                const bf16* __restrict__ v_cache, int len,
+                                                float* __restrict__ part_acc,
+                                                float2* __restrict__ part_ml, int hd,
+                                                int cap, float scale) {
+    const int qh = blockIdx.x * G, split = blockIdx.y, splits = gridDim.y;
+    attention_block<G, K>(q, k_cache, v_cache, len,
+                          part_acc + ((size_t)qh * splits + split) * hd, splits * hd,
+                          part_ml + qh * splits + split, splits, hd, cap, scale, false);
 }
 
 // attention_block of `group` query heads a KV head, K keys a warp at a time.
@@ -973,7 +991,7 @@ __device__ __forceinline__ void attention_by_group(const float* __restrict__ q,
                                                    float* __restrict__ part_acc,
                                                    float2* __restrict__ part_ml, int group,
                                                    int hd, int cap, float scale) {
-#define ATTN(G) attention_block<G, K>(q, k_cache, v_cache, len, part_acc, part_ml, hd, cap, scale)
+#define ATTN(G) attention_split<G, K>(q, k_cache, v_cache, len, part_acc, part_ml, hd, cap, scale)
     BY_GROUP(group, ATTN);
 #undef ATTN
 }
@@ -1004,7 +1022,7 @@ ATTENTION(shoal_attention_keys1, 1)
         float* __restrict__ part_acc, float2* __restrict__ part_ml, int group, int hd,        \
         int cap, float scale) {                                                               \
         begin_step();                                                                         \
-        attention_block<G, KEYS>(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, hd,   \
+        attention_split<G, KEYS>(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, hd,   \
                                  cap, scale);                                                 \
     }
 ATTENTION_G(1)
@@ -1017,6 +1035,122 @@ ATTENTION_G(7)
 ATTENTION_G(8)
 #undef ATTENTION_G
 
+// Thread-block clusters (Hopper): the blocks of one cluster reach each other's shared
+// memory, and wait at a barrier for each other.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The address of `p` (in this block's shared memory) in the shared memory of the
+// cluster's block `rank`, and a read through it.
+__device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
+    unsigned out = 0;
+#if __CUDA_ARCH__ >= 900
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+#endif
+    return out;
+}
+
+__device__ __forceinline__ float cluster_load(unsigned addr) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+
+#define MAX_CLUSTER 16
+// Attention and its merge in one kernel, for a context short enough that one cluster
+// of blocks a KV head covers it: block (kv head, split) as shoal_attention_gG with the
+// cluster's blocks as the splits (gridDim.y, at most MAX_CLUSTER), each keeping its
+// partial in its own shared memory; after the cluster's barrier every block merges a
+// share of the group's values from all of them and writes `out` (and, where `xq` is
+// given, its 8-bit blocks). The two-kernel path's merge was a kernel boundary a layer
+// and a round trip of the partials through L2.
+template <int G>
+__device__ __forceinline__ void attention_cluster(const float* __restrict__ q,
+                                                  const bf16* __restrict__ k_cache,
+                                                  const bf16* __restrict__ v_cache, int len,
+                                                  float* __restrict__ out,
+                                                  int8_t* __restrict__ xq,
+                                                  float2* __restrict__ xd, int hd, int cap,
+                                                  float scale) {
+    extern __shared__ float shm[];
+    const int warps = blockDim.x / WARP;
+    // After attention_block's own (warps, G, hd) values and (warps, G) max/sum pairs.
+    float* mine = shm + warps * G * hd + 2 * warps * G;  // G * hd values, then G pairs
+    float2* mine_ml = reinterpret_cast<float2*>(mine + G * hd);
+    attention_block<G, KEYS>(q, k_cache, v_cache, len, mine, hd, mine_ml, 1, hd, cap, scale,
+                             true);
+    cluster_sync();
+    const unsigned rank = cluster_rank(), blocks = gridDim.y;
+    const int n = G * hd, base = blockIdx.x * G * hd;
+    // Whole warps take 32 consecutive values of one head (n and hd are multiples of 32),
+    // as quantize_warp needs.
+    for (int idx = rank * blockDim.x + threadIdx.x; idx - threadIdx.x % WARP < n;
+         idx += blocks * blockDim.x) {
+        const int g = idx / hd;
+        float m[MAX_CLUSTER], a[MAX_CLUSTER], l[MAX_CLUSTER];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int r = 0; r < MAX_CLUSTER; r++) {
+            m[r] = -INFINITY;
+            a[r] = l[r] = 0.f;
+            if (r < blocks && idx < n) {
+                const unsigned ml = cluster_addr(mine_ml + g, r);
+                m[r] = cluster_load(ml);
+                l[r] = cluster_load(ml + 4);
+                a[r] = cluster_load(cluster_addr(mine + idx, r));
+            }
+            mx = fmaxf(mx, m[r]);
+        }
+        float acc = 0.f, total = 0.f;
+#pragma unroll
+        for (int r = 0; r < MAX_CLUSTER; r++) {
+            if (m[r] == -INFINITY) continue;
+            const float c = __expf(m[r] - mx);
+            acc += a[r] * c;
+            total += l[r] * c;
+        }
+        const float v = idx < n ? acc / total : 0.f;
+        if (idx < n) out[base + idx] = v;
+        if (xq != nullptr) quantize_warp(v, (base + idx) / WARP, xq, xd);
+    }
+    // No block leaves while another may still read its shared memory.
+    cluster_sync();
+}
+
+#define ATTENTION_CLUSTER(G)                                                                  \
+    extern "C" __global__ void shoal_attention_cluster_g##G(                                  \
+        const float* __restrict__ q, const bf16* __restrict__ k_cache,                        \
+        const bf16* __restrict__ v_cache, const int* __restrict__ pos_ptr,                    \
+        float* __restrict__ out, int8_t* __restrict__ xq, float2* __restrict__ xd, int hd,    \
+        int cap, float scale) {                                                               \
+        begin_step();                                                                         \
+        attention_cluster<G>(q, k_cache, v_cache, *pos_ptr + 1, out, xq, xd, hd, cap, scale); \
+    }
+ATTENTION_CLUSTER(1)
+ATTENTION_CLUSTER(2)
+ATTENTION_CLUSTER(3)
+ATTENTION_CLUSTER(4)
+ATTENTION_CLUSTER(5)
+ATTENTION_CLUSTER(6)
+ATTENTION_CLUSTER(7)
+ATTENTION_CLUSTER(8)
+#undef ATTENTION_CLUSTER
+
 // shoal_attention for a batch of decode rows: block (kv head, split, token); token b's
 // queries are the first heads of its row of `qkv`, its partials a slice of their own.
 // (One kernel a group size, as shoal_attention_gG.)
@@ -1027,7 +1161,7 @@ ATTENTION_G(8)
         begin_step();                                                                         \
         const int b = blockIdx.z, splits = gridDim.y;                                         \
         const float* q = qkv + (size_t)b * (nh + 2 * nkv) * hd;                               \
-        attention_block<G, KEYS>(q, batch_cache(c, b, 0), batch_cache(c, b, 1), c.pos[b] + 1, \
+        attention_split<G, KEYS>(q, batch_cache(c, b, 0), batch_cache(c, b, 1), c.pos[b] + 1, \
                                  part_acc + (size_t)b * nh * splits * hd,                     \
                                  part_ml + (size_t)b * nh * splits, hd, c.caps[b], scale);    \
     }

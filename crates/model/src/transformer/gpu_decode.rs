@@ -37,8 +37,9 @@ mod weights;
 use batch::BatchBufs;
 pub(super) use kernels::Arg;
 use kernels::{
-    ATTN_WARPS, Kernels, MATVEC_WARPS, NORM_MAX, QSegments, RopeInto, Segments, attention_shared,
-    attention_splits, cfg, norm_threads, split_for,
+    ATTN_WARPS, Kernels, MATVEC_WARPS, NORM_MAX, QSegments, RopeInto, Segments,
+    attention_cluster_blocks, attention_cluster_shared, attention_shared, attention_splits, cfg,
+    norm_threads, split_for,
 };
 
 use weights::{Linear, linear, norm_ptr, tensor_ptr};
@@ -145,6 +146,10 @@ pub(crate) struct DecodePlan {
     nkv: i32,
     hd: i32,
     splits: u32,
+    /// Blocks a KV head of `shoal_attention_cluster` (0: the two-kernel path only), and
+    /// the longest cache it serves.
+    cluster: u32,
+    cluster_max_len: i32,
     eps: f32,
     interleaved: i32,
     /// Warps per mat-vec row for every matrix (`SHOAL_GPU_SPLIT=1|2|4`), instead of the
@@ -286,6 +291,20 @@ impl DecodePlan {
             hd,
             attn_warps,
         )?;
+        let cluster = attention_cluster_blocks(
+            &kernels.attention_cluster,
+            &stream,
+            attn_warps,
+            attention_cluster_shared(attn_warps, (nh / nkv) as i32, hd as i32),
+        );
+        // A cache up to 64 positions a block (1,024 at 16 blocks). One H100, llama-8B
+        // bf16: tg128 after 512 tokens 175.6 tok/s against 174.0 for the two kernels, but
+        // tg1024 after 512 (caches of 1,024 and 2,048) 170.2 against 172.9 when the cluster
+        // served up to 128 positions a block; qwen2.5-1.5b Q4_K tg128 788 against 773.
+        let cluster_max_len = std::env::var("SHOAL_GPU_ATTN_CLUSTER_LEN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(cluster as i32 * 64);
         let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / hd as f32))
@@ -325,6 +344,8 @@ impl DecodePlan {
             nkv: nkv as i32,
             hd: hd as i32,
             splits: splits as u32,
+            cluster,
+            cluster_max_len,
             eps: c.rms_eps,
             interleaved: i32::from(c.rope_style == RopeStyle::Interleaved),
             split: std::env::var("SHOAL_GPU_SPLIT")
@@ -455,10 +476,27 @@ impl DecodePlan {
     }
 
     fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, args: &[&dyn Arg]) -> Result<()> {
-        match self.chained.get() {
-            Some(true) if self.pdl => return self.launch_dependent(f, cfg, args),
-            Some(false) => self.chained.set(Some(true)),
-            _ => {}
+        self.launch_with(f, cfg, args, None)
+    }
+
+    /// `launch`, with the grid's y dimension in clusters of `cluster` blocks where given.
+    fn launch_with(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: &[&dyn Arg],
+        cluster: Option<u32>,
+    ) -> Result<()> {
+        let dependent = match self.chained.get() {
+            Some(true) => self.pdl,
+            Some(false) => {
+                self.chained.set(Some(true));
+                false
+            }
+            None => false,
+        };
+        if dependent || cluster.is_some() {
+            return self.launch_ex(f, cfg, args, dependent, cluster);
         }
         let mut builder = self.stream.launch_builder(f);
         for a in args {
@@ -470,21 +508,38 @@ impl DecodePlan {
         Ok(())
     }
 
-    /// Launches `f` as a programmatic dependent of the kernel ahead of it in the stream
-    /// (captured as such into a graph): its blocks may start before that kernel ends and
-    /// wait in `begin_step`.
-    fn launch_dependent(
+    /// Launches `f` through `cuLaunchKernelEx`: where `dependent`, as a programmatic
+    /// dependent of the kernel ahead of it in the stream (captured as such into a graph):
+    /// its blocks may start before that kernel ends and wait in `begin_step`; where
+    /// `cluster` is given, in clusters of that many blocks along the grid's y dimension.
+    fn launch_ex(
         &self,
         f: &CudaFunction,
         cfg: LaunchConfig,
         args: &[&dyn Arg],
+        dependent: bool,
+        cluster: Option<u32>,
     ) -> Result<()> {
         let mut params: Vec<*mut std::ffi::c_void> = args.iter().map(|a| a.param()).collect();
-        // SAFETY: a zeroed attribute is a valid plain C struct; the union member set is the
-        // one the attribute id names.
-        let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs = Vec::with_capacity(2);
+        if dependent {
+            // SAFETY: a zeroed attribute is a valid plain C struct; the union member set
+            // is the one the attribute id names.
+            let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id =
+                cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            attrs.push(attr);
+        }
+        if let Some(blocks) = cluster {
+            // SAFETY: as above.
+            let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attr.value.clusterDim.x = 1;
+            attr.value.clusterDim.y = blocks;
+            attr.value.clusterDim.z = 1;
+            attrs.push(attr);
+        }
         let config = cu::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -494,8 +549,8 @@ impl DecodePlan {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         self.stream.context().bind_to_thread().map_err(gpu_err)?;
         // SAFETY: as in `launch`; `params` points at the arguments, which outlive the call,
@@ -693,6 +748,20 @@ impl DecodePlan {
         } else {
             (0, 0)
         };
+        if self.cluster > 0 && cap <= self.cluster_max_len {
+            let shared = attention_cluster_shared(self.attn_warps, group, self.hd);
+            let grid = cfg(
+                (self.nkv as u32, self.cluster),
+                self.attn_warps * 32,
+                shared,
+            );
+            return self.launch_with(
+                &self.kernels.attention_cluster,
+                grid,
+                &[&q, &kc, &vc, &pos, &out, &xq, &xd, &self.hd, &cap, &scale],
+                Some(self.cluster),
+            );
+        }
         let shared = attention_shared(self.attn_warps, group, self.hd);
         self.launch(
             &self.kernels.attention,

@@ -65,6 +65,8 @@ pub(super) struct Kernels {
     pub(super) rope_append: CudaFunction,
     pub(super) attention: CudaFunction,
     pub(super) attn_merge: CudaFunction,
+    /// Attention and its merge in one kernel of thread-block clusters (short contexts).
+    pub(super) attention_cluster: CudaFunction,
     pub(super) rope_append_batch: CudaFunction,
     pub(super) attention_batch: CudaFunction,
     pub(super) attn_merge_batch: CudaFunction,
@@ -106,6 +108,7 @@ impl Kernels {
             rope_append: f("shoal_rope_append")?,
             attention: f(&attention)?,
             attn_merge: f("shoal_attn_merge")?,
+            attention_cluster: f(&format!("shoal_attention_cluster_g{}", group.clamp(1, 8)))?,
             rope_append_batch: f("shoal_rope_append_batch")?,
             attention_batch: f(&format!("shoal_attention_batch_g{}", group.clamp(1, 8)))?,
             attn_merge_batch: f("shoal_attn_merge_batch")?,
@@ -126,6 +129,12 @@ pub(super) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
 pub(super) fn attention_shared(warps: u32, group: i32, hd: i32) -> u32 {
     let warps = warps as i32;
     (4 * (warps * group * hd + 2 * warps * group)) as u32
+}
+
+/// Bytes of shared memory `shoal_attention_cluster`'s block takes: the attention
+/// kernel's, then the block's merged partial (the group's values, max and sum).
+pub(super) fn attention_cluster_shared(warps: u32, group: i32, hd: i32) -> u32 {
+    attention_shared(warps, group, hd) + (4 * (group * hd + 2 * group)) as u32
 }
 
 /// Splits of the context for the attention kernel (`decode.cu`'s `attn_chunk`: at least
@@ -205,4 +214,76 @@ impl<T: DeviceRepr> Arg for T {
     fn param(&self) -> *mut std::ffi::c_void {
         self as *const T as *mut std::ffi::c_void
     }
+}
+
+/// Blocks of a cluster of `shoal_attention_cluster` (one cluster a KV head, one block a
+/// split): 16 where the GPU schedules clusters that large (Hopper, as a non-portable
+/// size), else the portable 8; 0 where it schedules none (before Hopper), so the two-kernel
+/// path runs. `SHOAL_GPU_ATTN_CLUSTER` sets it (0 turns the cluster path off), to compare.
+pub(super) fn attention_cluster_blocks(
+    f: &CudaFunction,
+    stream: &CudaStream,
+    warps: u32,
+    shared: u32,
+) -> u32 {
+    let asked = std::env::var("SHOAL_GPU_ATTN_CLUSTER")
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok());
+    if asked == Some(0) {
+        return 0;
+    }
+    let fits = |blocks: u32| -> bool {
+        let func = f.cu_function();
+        // SAFETY: `func` is a loaded kernel of this context; the attributes are plain ints.
+        unsafe {
+            if blocks > 8
+                && cu::cuFuncSetAttribute(
+                    func,
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                    1,
+                )
+                .result()
+                .is_err()
+            {
+                return false;
+            }
+            if cu::cuFuncSetAttribute(
+                func,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .result()
+            .is_err()
+            {
+                return false;
+            }
+        }
+        // SAFETY: a zeroed attribute is a valid plain C struct; the union member set is the
+        // one the attribute id names.
+        let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim.x = 1;
+        attr.value.clusterDim.y = blocks;
+        attr.value.clusterDim.z = 1;
+        let config = cu::CUlaunchConfig {
+            gridDimX: 1,
+            gridDimY: blocks,
+            gridDimZ: 1,
+            blockDimX: warps * 32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut clusters = 0;
+        // SAFETY: `config` and its one attribute outlive the call.
+        let ok = unsafe { cu::cuOccupancyMaxActiveClusters(&mut clusters, func, &config) }
+            .result()
+            .is_ok();
+        ok && clusters > 0
+    };
+    let wanted = asked.map_or(vec![16, 8], |n| vec![n.clamp(1, 16)]);
+    wanted.into_iter().find(|&b| fits(b)).unwrap_or(0)
 }
