@@ -123,39 +123,10 @@ impl Sampler {
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
-        let mut cands: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l.is_finite())
-            .map(|(i, &l)| (i as u32, l))
-            .collect();
+        let cands = kept(logits, p);
         if cands.is_empty() {
             return argmax(logits);
         }
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
-        if p.top_k > 0 && p.top_k < cands.len() {
-            cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
-            cands.truncate(p.top_k);
-        }
-        cands.sort_unstable_by(by_logit_desc);
-        // Probabilities at temperature 1 decide top-p and min-p, as llama.cpp does.
-        let probs = softmax(&cands, 1.0);
-        let mut keep = cands.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, pr) in probs.iter().enumerate() {
-                acc += pr;
-                if acc >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if p.min_p > 0.0 {
-            let floor = p.min_p * probs[0];
-            keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
-        }
-        cands.truncate(keep.max(1));
         let probs = softmax(&cands, p.temperature);
         let r = self.rng.next_f32();
         let mut acc = 0.0;
@@ -167,6 +138,83 @@ impl Sampler {
         }
         cands[cands.len() - 1].0
     }
+}
+
+/// The candidates top-k, top-p and min-p keep (finite logits only), most likely first
+/// where a cut needed the order. Nothing here sorts the whole vocabulary: a row of
+/// 151,936 logits took milliseconds to sort at every token, with the engine's other
+/// sequences waiting. Top-p grows the head it orders (64, 512, 4096, … candidates,
+/// each chosen by one linear selection) until the head's probability reaches p; with
+/// neither top-p nor min-p nor top-k every candidate stays, in the vocabulary's order.
+fn kept(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f32)> {
+    let mut cands: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    if cands.is_empty() {
+        return cands;
+    }
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1);
+    if p.top_k > 0 && p.top_k < cands.len() {
+        cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+        cands.truncate(p.top_k);
+    }
+    let top_p = p.top_p < 1.0;
+    if !top_p && p.min_p <= 0.0 {
+        return cands;
+    }
+    // Probabilities at temperature 1 decide top-p and min-p, as llama.cpp does.
+    let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    // Sums over up to the whole vocabulary in f64: an f32 running sum of 10^5 terms is
+    // off by enough to move the top-p cut.
+    let weight = |c: &(u32, f32)| f64::from((c.1 - max).exp());
+    let total: f64 = if top_p {
+        cands.iter().map(weight).sum()
+    } else {
+        1.0
+    };
+    if top_p {
+        let mut head = 64;
+        while head < cands.len() {
+            cands.select_nth_unstable_by(head - 1, by_logit_desc);
+            let mass = cands[..head].iter().map(weight).sum::<f64>() / total;
+            if mass >= f64::from(p.top_p) {
+                cands.truncate(head);
+                break;
+            }
+            head *= 8;
+        }
+    } else {
+        // min-p alone: p_i ≥ min_p · p_max is l_i − max ≥ ln min_p (no exponential).
+        let floor = p.min_p.ln();
+        cands.retain(|c| c.1 - max >= floor);
+    }
+    cands.sort_unstable_by(by_logit_desc);
+    let mut keep = cands.len();
+    if top_p {
+        let mut acc = 0.0;
+        for (i, c) in cands.iter().enumerate() {
+            acc += weight(c) / total;
+            if acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if p.min_p > 0.0 {
+        let floor = f64::from(p.min_p) * weight(&cands[0]);
+        keep = keep.min(
+            cands
+                .iter()
+                .take_while(|c| weight(c) >= floor)
+                .count()
+                .max(1),
+        );
+    }
+    cands.truncate(keep.max(1));
+    cands
 }
 
 /// Index of the largest logit (the first one on ties).
@@ -260,6 +308,82 @@ mod tests {
         }));
         for _ in 0..100 {
             assert_eq!(s.sample(&mut [1.0, 3.0, 0.0], &[], 0), 1);
+        }
+    }
+
+    /// The kept set by the plain rule: every finite candidate sorted, then top-k, the
+    /// smallest head reaching top-p, and min-p.
+    fn kept_by_full_sort(logits: &[f32], p: &SamplingParams) -> Vec<u32> {
+        let mut c: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        c.sort_by(|a, b| b.1.total_cmp(&a.1));
+        if p.top_k > 0 {
+            c.truncate(p.top_k);
+        }
+        let max = c[0].1;
+        let total: f64 = c.iter().map(|c| f64::from((c.1 - max).exp())).sum();
+        let probs: Vec<f64> = c
+            .iter()
+            .map(|c| f64::from((c.1 - max).exp()) / total)
+            .collect();
+        let mut keep = c.len();
+        let mut acc = 0.0;
+        for (i, pr) in probs.iter().enumerate() {
+            acc += pr;
+            if p.top_p < 1.0 && acc >= f64::from(p.top_p) {
+                keep = i + 1;
+                break;
+            }
+        }
+        let floor = f64::from(p.min_p) * probs[0];
+        keep = keep.min(probs.iter().take_while(|&&pr| pr >= floor).count().max(1));
+        c.truncate(keep);
+        c.into_iter().map(|c| c.0).collect()
+    }
+
+    #[test]
+    fn a_large_vocabulary_keeps_what_a_full_sort_keeps() {
+        // 151,936 logits like a real row: a few strong tokens over a broad tail, some
+        // masked; the nucleus spans from a handful of tokens to thousands.
+        let mut rng = SplitMix64(3);
+        for spread in [1.0f32, 3.0, 8.0] {
+            let logits: Vec<f32> = (0..151_936)
+                .map(|i| {
+                    if i % 977 == 0 {
+                        f32::NEG_INFINITY
+                    } else {
+                        let u = rng.next_f32();
+                        spread * u * u * u * 4.0 + rng.next_f32()
+                    }
+                })
+                .collect();
+            for (top_k, top_p, min_p) in [
+                (0, 0.9, 0.0),
+                (0, 0.99, 0.0),
+                (0, 1.0, 0.05),
+                (0, 0.95, 0.02),
+                (40, 0.9, 0.0),
+                (0, 0.5, 0.0),
+            ] {
+                let p = params(|p| {
+                    p.temperature = 0.8;
+                    (p.top_k, p.top_p, p.min_p) = (top_k, top_p, min_p);
+                });
+                let mut fast: Vec<u32> = kept(&logits, &p).into_iter().map(|c| c.0).collect();
+                let mut full = kept_by_full_sort(&logits, &p);
+                // The same set; the order of equal logits may differ.
+                fast.sort_unstable();
+                full.sort_unstable();
+                let what = format!("spread {spread}, top-k {top_k}, top-p {top_p}, min-p {min_p}");
+                assert_eq!(fast.len(), full.len(), "{what}");
+                assert!(fast == full, "{what}: the same number, other tokens");
+            }
+            let all = kept(&logits, &params(|p| p.temperature = 1.0));
+            assert_eq!(all.len(), logits.iter().filter(|l| l.is_finite()).count());
         }
     }
 
