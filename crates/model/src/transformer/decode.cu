@@ -845,8 +845,6 @@ __device__ __forceinline__ void load_lane(const bf16* p, int n, float out[MAX_LA
 // same shuffle stages, interleaved (a runtime count made each head's five dependent
 // shuffles, exponentials and updates wait for the previous head's: 10.7 us for ~580
 // positions on the qwen2.5-1.5b shape, groups of 6), and registers hold G heads, not 8.
-
-//
 // The block's result for query head g goes to acc + g * acc_stride (hd values) and
 // ml[g * ml_stride] (max, sum): the split's slice of the partials in global memory, or
 // (shoal_attention_cluster) the block's own shared memory. A block past the context's
@@ -1097,10 +1095,9 @@ __device__ __forceinline__ void attention_cluster(const float* __restrict__ q,
     cluster_sync();
     const unsigned rank = cluster_rank(), blocks = gridDim.y;
     const int n = G * hd, base = blockIdx.x * G * hd;
-    // Whole warps take 32 consecutive values of one head (n and hd are multiples of 32),
-    // as quantize_warp needs.
-    for (int idx = rank * blockDim.x + threadIdx.x; idx - threadIdx.x % WARP < n;
-         idx += blocks * blockDim.x) {
+    // Whole warps take 32 consecutive values of one head, as quantize_warp needs: n, hd
+    // and blockDim.x are multiples of 32, so a warp's lanes enter and leave together.
+    for (int idx = rank * blockDim.x + threadIdx.x; idx < n; idx += blocks * blockDim.x) {
         const int g = idx / hd;
         float m[MAX_CLUSTER], a[MAX_CLUSTER], l[MAX_CLUSTER];
         float mx = -INFINITY;
@@ -1108,7 +1105,7 @@ __device__ __forceinline__ void attention_cluster(const float* __restrict__ q,
         for (int r = 0; r < MAX_CLUSTER; r++) {
             m[r] = -INFINITY;
             a[r] = l[r] = 0.f;
-            if (r < blocks && idx < n) {
+            if (r < blocks) {
                 const unsigned ml = cluster_addr(mine_ml + g, r);
                 m[r] = cluster_load(ml);
                 l[r] = cluster_load(ml + 4);
@@ -1124,8 +1121,8 @@ __device__ __forceinline__ void attention_cluster(const float* __restrict__ q,
             acc += a[r] * c;
             total += l[r] * c;
         }
-        const float v = idx < n ? acc / total : 0.f;
-        if (idx < n) out[base + idx] = v;
+        const float v = acc / total;
+        out[base + idx] = v;
         if (xq != nullptr) quantize_warp(v, (base + idx) / WARP, xq, xd);
     }
     // No block leaves while another may still read its shared memory.

@@ -39,7 +39,7 @@ pub(super) use kernels::Arg;
 use kernels::{
     ATTN_WARPS, Kernels, MATVEC_WARPS, NORM_MAX, QSegments, RopeInto, Segments,
     attention_cluster_blocks, attention_cluster_shared, attention_shared, attention_splits, cfg,
-    norm_threads, split_for,
+    cluster_attr, norm_threads, split_for,
 };
 
 use weights::{Linear, linear, norm_ptr, tensor_ptr};
@@ -532,13 +532,7 @@ impl DecodePlan {
             attrs.push(attr);
         }
         if let Some(blocks) = cluster {
-            // SAFETY: as above.
-            let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attr.value.clusterDim.x = 1;
-            attr.value.clusterDim.y = blocks;
-            attr.value.clusterDim.z = 1;
-            attrs.push(attr);
+            attrs.push(cluster_attr(blocks));
         }
         let config = cu::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,

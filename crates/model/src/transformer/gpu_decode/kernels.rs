@@ -258,13 +258,7 @@ pub(super) fn attention_cluster_blocks(
                 return false;
             }
         }
-        // SAFETY: a zeroed attribute is a valid plain C struct; the union member set is the
-        // one the attribute id names.
-        let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim.x = 1;
-        attr.value.clusterDim.y = blocks;
-        attr.value.clusterDim.z = 1;
+        let mut attr = cluster_attr(blocks);
         let config = cu::CUlaunchConfig {
             gridDimX: 1,
             gridDimY: blocks,
@@ -286,4 +280,16 @@ pub(super) fn attention_cluster_blocks(
     };
     let wanted = asked.map_or(vec![16, 8], |n| vec![n.clamp(1, 16)]);
     wanted.into_iter().find(|&b| fits(b)).unwrap_or(0)
+}
+
+/// The launch attribute that groups a grid's y dimension into clusters of `blocks`.
+pub(super) fn cluster_attr(blocks: u32) -> cu::CUlaunchAttribute {
+    // SAFETY: a zeroed attribute is a valid plain C struct; the union member set is the
+    // one the attribute id names.
+    let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim.x = 1;
+    attr.value.clusterDim.y = blocks;
+    attr.value.clusterDim.z = 1;
+    attr
 }
