@@ -13,6 +13,7 @@
 //! `Σ w·x = Σ_h scale_h·d_x·Σ_{i∈h} q_i·x_i + Σ_h bias_h·d_x·Σ_{i∈h} x_i`, where `h` runs over
 //! groups of 16 and `d_x` is the activation block's scale.
 
+mod activation;
 mod amx;
 mod blocks;
 mod dot;
@@ -24,6 +25,7 @@ mod pool;
 mod tile;
 mod wide;
 
+pub use activation::silu_mul;
 pub use blocks::{BlockType, dequantize_row};
 pub use dot::Isa;
 pub use matmul::{

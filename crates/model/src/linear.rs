@@ -197,14 +197,14 @@ impl QLinear {
         let Some(matrices) = matrices.filter(|_| x.dtype() == DType::F32) else {
             return linears.iter().map(|l| l.forward(x)).collect();
         };
-        let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let mut outs: Vec<Vec<f32>> = linears
             .iter()
             .map(|l| vec![0f32; t * l.out_features])
             .collect();
         let mut views: Vec<&mut [f32]> = outs.iter_mut().map(|o| o.as_mut_slice()).collect();
-        shoal_kernels::matmul_many(&matrices, &xs, t, &mut views)
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        with_values(x, |xs| {
+            shoal_kernels::matmul_many(&matrices, xs, t, &mut views)
+        })?;
         linears
             .iter()
             .zip(outs)
@@ -256,13 +256,40 @@ impl QLinear {
                     )));
                 }
                 let t = dims.iter().product::<usize>();
-                let xs = x.flatten_all()?.to_vec1::<f32>()?;
                 let mut out = vec![0f32; t * self.out_features];
-                shoal_kernels::matmul(m, &xs, t, &mut out)
-                    .map_err(|e| ModelError::Invalid(e.to_string()))?;
+                with_values(x, |xs| shoal_kernels::matmul(m, xs, t, &mut out))?;
                 dims.push(self.out_features);
                 Tensor::from_vec(out, dims, &Device::Cpu)?
             }
         })
     }
+}
+
+/// A tensor's f32 values in order where they lie contiguous in CPU memory, borrowed.
+pub(crate) fn cpu_values<'s>(
+    storage: &'s candle_core::Storage,
+    layout: &candle_core::Layout,
+) -> Option<&'s [f32]> {
+    let candle_core::Storage::Cpu(c) = storage else {
+        return None;
+    };
+    let (start, end) = layout.contiguous_offsets()?;
+    c.as_slice::<f32>().ok()?.get(start..end)
+}
+
+/// Runs a kernel on `x`'s f32 values: borrowed where they lie contiguous in CPU memory
+/// (a batched step's activations, every projection), else copied out.
+fn with_values(
+    x: &Tensor,
+    kernel: impl FnOnce(&[f32]) -> std::result::Result<(), shoal_kernels::KernelError>,
+) -> Result<()> {
+    let (storage, layout) = x.storage_and_layout();
+    let done = match cpu_values(&storage, layout) {
+        Some(xs) => kernel(xs),
+        None => {
+            drop(storage);
+            kernel(&x.flatten_all()?.to_vec1::<f32>()?)
+        }
+    };
+    done.map_err(|e| ModelError::Invalid(e.to_string()))
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use shoal_kernels::{QuantMatrix, Rows};
 
-use crate::linear::{KernelChoice, Matrix, shoal_matrix};
+use crate::linear::{KernelChoice, Matrix, cpu_values, shoal_matrix};
 mod batch;
 #[cfg(feature = "cuda")]
 mod gpu_decode;
@@ -894,7 +894,32 @@ fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gpu_prefill::applies(gate.device(), gate.dtype()) {
         return gpu_prefill::silu_mul(gate, up);
     }
+    if let Some(y) = silu_mul_cpu(gate, up)? {
+        return Ok(y);
+    }
     Ok((candle_nn::ops::silu(gate)? * up)?)
+}
+
+/// [`silu_mul`] of contiguous f32 tensors on the CPU, in one pass on the kernel threads
+/// (candle's two operations run on one thread and allocate twice); `None` for others.
+fn silu_mul_cpu(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    if !gate.device().is_cpu() || gate.dtype() != DType::F32 || up.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    if gate.dims() != up.dims() {
+        return Err(ModelError::Invalid(format!(
+            "silu_mul of {:?} and {:?}",
+            gate.dims(),
+            up.dims()
+        )));
+    }
+    let ((gs, gl), (us, ul)) = (gate.storage_and_layout(), up.storage_and_layout());
+    let (Some(g), Some(u)) = (cpu_values(&gs, gl), cpu_values(&us, ul)) else {
+        return Ok(None);
+    };
+    let mut out = vec![0f32; g.len()];
+    shoal_kernels::silu_mul(g, u, &mut out).map_err(|e| ModelError::Invalid(e.to_string()))?;
+    Ok(Some(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?))
 }
 
 /// Additive causal mask `(group * t, pos + t)` for queries at `pos..pos + t`, laid out as
