@@ -89,6 +89,8 @@ impl<'e> Decoder<'e> {
         let next = if greedy && !logits.device().is_cpu() {
             // On a GPU: the arg-max there, one id back instead of the whole row.
             logits.argmax(0)?.to_scalar::<u32>()?
+        } else if let Some(next) = greedy.then(|| argmax_in_place(&logits)).flatten() {
+            next
         } else {
             let mut row = logits.to_vec1::<f32>()?;
             self.sampler
@@ -134,4 +136,18 @@ impl<'e> Decoder<'e> {
             text: shown + &self.stops.flush(),
         }
     }
+}
+
+/// The arg-max of a CPU f32 row read where it lies (a batch's logits hold a row of the
+/// vocabulary's size for every sequence: copying each out cost a step ~200 KB a
+/// sequence); `None` where the row is elsewhere or not contiguous.
+fn argmax_in_place(logits: &Tensor) -> Option<u32> {
+    let (storage, layout) = logits.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return None;
+    };
+    let (start, end) = layout.contiguous_offsets()?;
+    Some(crate::sampling::argmax(
+        cpu.as_slice::<f32>().ok()?.get(start..end)?,
+    ))
 }
