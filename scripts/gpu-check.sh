@@ -17,7 +17,8 @@
 #       size (default) or one for every group, and its splits one wave of blocks (default)
 #       or 64; MODES="graphs nocluster cluster8" attention and its merge as one kernel of
 #       thread-block clusters for caches up to 64 positions a block (default, 16 blocks a
-#       KV head), off, or 8 blocks a KV head
+#       KV head), off, or 8 blocks a KV head; MODES="graphs nopairs" dense mat-vecs two
+#       rows a team (default) or one
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
@@ -59,6 +60,7 @@ mode_env() { # mode
     splits64) env=(SHOAL_GPU_ATTN_SPLITS=64) ;;
     dispatch64) env=(SHOAL_GPU_ATTN=dispatch SHOAL_GPU_ATTN_SPLITS=64) ;;
     nocluster) env=(SHOAL_GPU_ATTN_CLUSTER=0) ;;
+    nopairs) env=(SHOAL_GPU_PAIRS=0) ;;
     cluster8) env=(SHOAL_GPU_ATTN_CLUSTER=8) ;;
     *) echo "unknown mode $1" >&2; exit 2 ;;
   esac

@@ -349,6 +349,46 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
     }
 }
 
+// matvec_bf16 with a team two adjacent output rows (2p, 2p + 1; every segment's rows even,
+// so both lie in one matrix): twice the loads in flight a lane and half the blocks, each
+// row's arithmetic as matvec_bf16's (the same pieces in the same order), so the same
+// results. Short rows (q/k/v, o: 4,096) gain most: a team of one row read 8 KB and left.
+template <bool EARLY>
+__device__ __forceinline__ void matvec2_bf16(Segments seg, const float* __restrict__ x,
+                                             const bf16* __restrict__ norm_w, float eps,
+                                             const float* __restrict__ residual,
+                                             float* __restrict__ y, int k, int split) {
+    const RowSlot slot = row_slot(split);
+    const int out = 2 * slot.row;
+    int r = out;
+    const int s = segment(seg.rows, &r);
+    const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
+    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
+    const int n8 = s < 3 ? k / 8 : 0;  // past the end: no loads
+    const uint4* const rows[2] = {reinterpret_cast<const uint4*>(w + (size_t)r * k),
+                                  reinterpret_cast<const uint4*>(w + (size_t)(r + 1) * k)};
+    float dot[2], ss;
+    team_dot<EARLY, 2>(rows, n8, slot, split, x, norm_w, dot, &ss);
+    const float3 t = group_sum(dot[0], dot[1], ss, split);
+    if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
+        float a = t.x, b = t.y;
+        if (norm_w) {
+            a *= rsqrtf(t.z / k + eps);
+            b *= rsqrtf(t.z / k + eps);
+        }
+        if (bias) {
+            a += __bfloat162float(bias[r]);
+            b += __bfloat162float(bias[r + 1]);
+        }
+        if (residual) {
+            a += residual[out];
+            b += residual[out + 1];
+        }
+        y[out] = a;
+        y[out + 1] = b;
+    }
+}
+
 // The q/k/v projection, rope and the KV append as one kernel (bf16 rows, no q/k norms):
 // a team takes the two rows rope turns together, (2j, 2j+1) of a head interleaved,
 // (j, j + hd/2) otherwise, and rotates its pair itself; q goes to `qkv` in place of
@@ -443,15 +483,17 @@ __device__ __forceinline__ void gate_up_bf16(const bf16* __restrict__ gate,
 }
 
 // `_late`: the same products with the weights' first loads after the wait, to compare.
-#define MATVEC_BF16(NAME, EARLY)                                                          \
+#define MATVEC_BF16(NAME, FN, EARLY)                                                      \
     extern "C" __global__ void NAME(Segments seg, const float* __restrict__ x,           \
                                     const bf16* __restrict__ norm_w, float eps,          \
                                     const float* __restrict__ residual,                  \
                                     float* __restrict__ y, int k, int split) {           \
-        matvec_bf16<EARLY>(seg, x, norm_w, eps, residual, y, k, split);                  \
+        FN<EARLY>(seg, x, norm_w, eps, residual, y, k, split);                           \
     }
-MATVEC_BF16(shoal_matvec_bf16, true)
-MATVEC_BF16(shoal_matvec_bf16_late, false)
+MATVEC_BF16(shoal_matvec_bf16, matvec_bf16, true)
+MATVEC_BF16(shoal_matvec_bf16_late, matvec_bf16, false)
+MATVEC_BF16(shoal_matvec2_bf16, matvec2_bf16, true)
+MATVEC_BF16(shoal_matvec2_bf16_late, matvec2_bf16, false)
 
 #define GATE_UP_BF16(NAME, EARLY)                                                             \
     extern "C" __global__ void NAME(const bf16* __restrict__ gate, const bf16* __restrict__ up, \

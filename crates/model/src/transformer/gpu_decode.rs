@@ -162,6 +162,9 @@ pub(crate) struct DecodePlan {
     /// The q/k/v projection rotates and appends its rows itself where it can
     /// (`rope_in_projection`); `SHOAL_GPU_ROPE=apart` launches `shoal_rope_append`, to compare.
     fused_rope: bool,
+    /// Dense mat-vecs whose segments all have even rows take two rows a team
+    /// (`shoal_matvec2_bf16`); `SHOAL_GPU_PAIRS=0` keeps one, to compare.
+    pairs: bool,
     /// Warps a block of one token's attention kernel: ATTN_WARPS unless
     /// `SHOAL_GPU_ATTN_WARPS` says 1..=16 (to compare).
     attn_warps: u32,
@@ -355,6 +358,7 @@ impl DecodePlan {
             graphs: Vec::new(),
             pdl: std::env::var("SHOAL_GPU_PDL").map_or(true, |v| v != "0"),
             fused_rope: std::env::var("SHOAL_GPU_ROPE").as_deref() != Ok("apart"),
+            pairs: std::env::var("SHOAL_GPU_PAIRS").map_or(true, |v| v != "0"),
             attn_warps,
             chained: Cell::new(None),
             batch: None,
@@ -656,6 +660,15 @@ impl DecodePlan {
                 &self.kernels.matvec_quant,
                 cfg((grid, 1), block, 0),
                 &[&seg, &xq, &xd, &residual, &y, &k, &split],
+            )
+        } else if self.pairs && r.iter().all(|n| n % 2 == 0) {
+            let seg = Segments { w, bias, rows: r };
+            let split = self.split.unwrap_or_else(|| split_for(rows / 2, k, false));
+            let grid = ((rows / 2) as u32).div_ceil(MATVEC_WARPS / split as u32);
+            self.launch(
+                &self.kernels.matvec2_bf16,
+                cfg((grid, 1), block, 0),
+                &[&seg, &x, &norm, &self.eps, &residual, &y, &k, &split],
             )
         } else {
             let seg = Segments { w, bias, rows: r };

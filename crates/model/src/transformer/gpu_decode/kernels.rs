@@ -58,6 +58,8 @@ pub(super) struct Kernels {
     pub(super) rmsnorm: CudaFunction,
     pub(super) quantize: CudaFunction,
     pub(super) matvec_bf16: CudaFunction,
+    /// Two rows a team (`decode.cu`'s `matvec2_bf16`).
+    pub(super) matvec2_bf16: CudaFunction,
     pub(super) matvec_quant: CudaFunction,
     pub(super) gate_up_bf16: CudaFunction,
     pub(super) qkv_rope_bf16: CudaFunction,
@@ -101,6 +103,7 @@ impl Kernels {
             rmsnorm: f("shoal_rmsnorm")?,
             quantize: f("shoal_quantize_q8")?,
             matvec_bf16: f(&format!("shoal_matvec_bf16{variant}"))?,
+            matvec2_bf16: f(&format!("shoal_matvec2_bf16{variant}"))?,
             matvec_quant: f("shoal_matvec_quant")?,
             gate_up_bf16: f(&format!("shoal_gate_up_bf16{variant}"))?,
             qkv_rope_bf16: f(&format!("shoal_qkv_rope_bf16{variant}"))?,
