@@ -143,11 +143,5 @@ impl<'e> Decoder<'e> {
 /// sequence); `None` where the row is elsewhere or not contiguous.
 fn argmax_in_place(logits: &Tensor) -> Option<u32> {
     let (storage, layout) = logits.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return None;
-    };
-    let (start, end) = layout.contiguous_offsets()?;
-    Some(crate::sampling::argmax(
-        cpu.as_slice::<f32>().ok()?.get(start..end)?,
-    ))
+    shoal_model::cpu_values(&storage, layout).map(crate::sampling::argmax)
 }

@@ -24,7 +24,7 @@ pub use cache::KvCache;
 pub use config::{Architecture, ModelConfig, RopeStyle};
 pub use error::{ModelError, Result, candle_message};
 pub use gguf::GgufFile;
-pub use linear::{KernelChoice, QLinear};
+pub use linear::{KernelChoice, QLinear, cpu_values};
 pub use safetensors::SafetensorsDir;
 pub use shard::{ShardLinks, TensorSlice, all_reduce_through_host, tensor_slices};
 pub use transformer::{BatchPart, GpuDecode, LoadSpec, Model, zigzag_pieces};

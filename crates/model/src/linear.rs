@@ -265,8 +265,10 @@ impl QLinear {
     }
 }
 
-/// A tensor's f32 values in order where they lie contiguous in CPU memory, borrowed.
-pub(crate) fn cpu_values<'s>(
+/// A tensor's f32 values in order where they lie contiguous in CPU memory, borrowed
+/// (from `Tensor::storage_and_layout`); `None` elsewhere, for other types, or when not
+/// contiguous.
+pub fn cpu_values<'s>(
     storage: &'s candle_core::Storage,
     layout: &candle_core::Layout,
 ) -> Option<&'s [f32]> {

@@ -322,6 +322,22 @@ __device__ __forceinline__ int segment(const int rows[3], int* r) {
     return 3;
 }
 
+// Output row r of [W0; W1; W2] (made its row within its matrix): the matrix, its bias,
+// which one (3: past the end) and its 16-byte pieces a row (0 past the end: no loads).
+// Picked without indexing the parameter arrays (which would copy them to local memory).
+struct SegRow {
+    const bf16* w;
+    const bf16* bias;
+    int s;
+    int n8;
+};
+
+__device__ __forceinline__ SegRow seg_row(Segments seg, int* r, int k) {
+    const int s = segment(seg.rows, r);
+    return {s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2],
+            s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2], s, s < 3 ? k / 8 : 0};
+}
+
 // y = [W0; W1; W2] norm(x) (+ bias) (+ residual), norm(x) = x / rms(x) * norm_w where
 // norm_w is given, else x. A team of `split` warps a row (row_slot).
 template <bool EARLY>
@@ -331,11 +347,7 @@ __device__ __forceinline__ void matvec_bf16(Segments seg, const float* __restric
                                             float* __restrict__ y, int k, int split) {
     const RowSlot slot = row_slot(split);
     int r = slot.row;
-    const int s = segment(seg.rows, &r);
-    // Picked without indexing the parameter arrays (which would copy them to local memory).
-    const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
-    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
-    const int n8 = s < 3 ? k / 8 : 0;  // past the end: no loads
+    const auto [w, bias, s, n8] = seg_row(seg, &r, k);
     const uint4* const rows[1] = {reinterpret_cast<const uint4*>(w + (size_t)r * k)};
     float dot[1], ss;
     team_dot<EARLY, 1>(rows, n8, slot, split, x, norm_w, dot, &ss);
@@ -361,10 +373,7 @@ __device__ __forceinline__ void matvec2_bf16(Segments seg, const float* __restri
     const RowSlot slot = row_slot(split);
     const int out = 2 * slot.row;
     int r = out;
-    const int s = segment(seg.rows, &r);
-    const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
-    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
-    const int n8 = s < 3 ? k / 8 : 0;  // past the end: no loads
+    const auto [w, bias, s, n8] = seg_row(seg, &r, k);
     const uint4* const rows[2] = {reinterpret_cast<const uint4*>(w + (size_t)r * k),
                                   reinterpret_cast<const uint4*>(w + (size_t)(r + 1) * k)};
     float dot[2], ss;
@@ -373,8 +382,9 @@ __device__ __forceinline__ void matvec2_bf16(Segments seg, const float* __restri
     if (s < 3 && slot.part == 0 && threadIdx.x % WARP == 0) {
         float a = t.x, b = t.y;
         if (norm_w) {
-            a *= rsqrtf(t.z / k + eps);
-            b *= rsqrtf(t.z / k + eps);
+            const float inv = rsqrtf(t.z / k + eps);
+            a *= inv;
+            b *= inv;
         }
         if (bias) {
             a += __bfloat162float(bias[r]);
@@ -412,10 +422,7 @@ __device__ __forceinline__ void qkv_rope_bf16(Segments seg, const float* __restr
     const int ra = head * rope.hd + (rope.interleaved ? 2 * j : j);
     const int gap = rope.interleaved ? 1 : half;  // rb - ra
     int r = ra;
-    const int s = segment(seg.rows, &r);
-    const bf16* w = s == 0 ? seg.w[0] : s == 1 ? seg.w[1] : seg.w[2];
-    const bf16* bias = s == 0 ? seg.bias[0] : s == 1 ? seg.bias[1] : seg.bias[2];
-    const int n8 = s < 3 ? k / 8 : 0;
+    const auto [w, bias, s, n8] = seg_row(seg, &r, k);
     const uint4* const rows[2] = {reinterpret_cast<const uint4*>(w + (size_t)r * k),
                                   reinterpret_cast<const uint4*>(w + (size_t)(r + gap) * k)};
     float ab[2], ss;
