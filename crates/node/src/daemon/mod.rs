@@ -183,9 +183,11 @@ struct Daemon {
     started: Instant,
     /// Last heartbeat per live node (not this one).
     alive: HashMap<NodeId, Seen>,
-    /// Catching up from a peer whose state outweighs this node's, to lead with it.
-    adopting: bool,
-    /// The standing last taken that way (not taken twice).
+    /// Catching up from a peer whose state outweighs this node's, to lead with it: the
+    /// standing that peer announced.
+    adopting: Option<Standing>,
+    /// The standing last taken that way (not taken twice). Set only once the state has
+    /// come: a catch-up that fails (a connection the heal replaced) is tried again.
     adopted: Option<Standing>,
     /// Following a master that will take this node's (heavier) state, since when: its
     /// events are not applied here until its snapshot comes.
@@ -333,7 +335,7 @@ pub async fn run(config: NodeConfig) -> Result<()> {
         fetch_backoff: HashMap::new(),
         pending: HashMap::new(),
         catching_up: false,
-        adopting: false,
+        adopting: None,
         adopted: None,
         awaiting: None,
         last_report: None,

@@ -17,7 +17,7 @@ impl Daemon {
                     tracing::info!(master = %m, "stepping down");
                 }
                 self.leading = false;
-                self.adopting = false;
+                self.adopting = None;
                 if self.master.as_ref() != Some(&m) {
                     self.master = Some(m.clone());
                     let theirs = self.alive.get(&m).map(|s| s.hb.standing);
@@ -64,8 +64,7 @@ impl Daemon {
         tracing::info!(%peer, ?theirs, ?mine, "taking the state of a peer that outweighs this one");
         // No events from here until it leads with that state.
         self.leading = false;
-        self.adopting = true;
-        self.adopted = theirs;
+        self.adopting = theirs;
         self.catch_up_from(&peer);
         true
     }
@@ -79,7 +78,7 @@ impl Daemon {
             .collect();
         tracing::info!(term, standing = ?self.standing(), ?peers, "elected master");
         self.leading = true;
-        self.adopting = false;
+        self.adopting = None;
         self.awaiting = None;
         self.highest_term = term;
         self.master = Some(self.me.clone());
@@ -238,7 +237,7 @@ impl Daemon {
                     }
                     self.highest_term = term;
                     self.leading = false;
-                    self.adopting = false;
+                    self.adopting = None;
                     self.awaiting = None;
                     self.master = Some(source.clone());
                     self.state = state;

@@ -205,7 +205,7 @@ impl Daemon {
                     }
                     Some(Pending::CatchUp) => {
                         self.catching_up = false;
-                        self.adopting = false;
+                        self.adopting = None;
                     }
                     Some(Pending::Probe(..)) => {}
                     None => {}
@@ -261,9 +261,12 @@ impl Daemon {
 
     pub(super) fn on_response(&mut self, id: OutboundRequestId, response: Response) {
         match (self.pending.remove(&id), response) {
-            (Some(Pending::CatchUp), Response::Snapshot { term, state }) if self.adopting => {
+            (Some(Pending::CatchUp), Response::Snapshot { term, state })
+                if self.adopting.is_some() =>
+            {
                 // The heavier state, whatever its term: lead with it above every term.
                 self.catching_up = false;
+                self.adopted = self.adopting.take();
                 tracing::info!(index = state.index, term, "took a heavier state");
                 self.highest_term = self.highest_term.max(term);
                 self.state = state;
@@ -294,7 +297,7 @@ impl Daemon {
             }
             (Some(Pending::CatchUp), _) => {
                 self.catching_up = false;
-                self.adopting = false;
+                self.adopting = None;
             }
             _ => {}
         }
