@@ -1,5 +1,5 @@
 //! Weights repacked at load so that each 32-bit lane of a product holds one whole block
-//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's and Q6_K's in groups of 16, [`k`]):
+//! (Q4_0, Q4_1, Q5_0 and Q8_0; Q4_K's and Q6_K's 32-weight sub-blocks, [`k`]):
 //! groups of 16 blocks for AVX-512 VNNI's 512-bit products (this module's kernel), of 8
 //! for AVX2's 256-bit ones (`lanes_avx2`).
 //!
@@ -29,7 +29,7 @@ use std::arch::x86_64::*;
 use crate::BlockType;
 
 mod acts;
-mod k;
+pub(crate) mod k;
 pub(crate) use acts::LaneActs;
 use k::KScales;
 
@@ -38,12 +38,12 @@ pub(crate) const WIDE: usize = 16;
 /// Blocks per group for AVX2 (one per 32-bit lane of 256 bits).
 pub(crate) const NARROW: usize = 8;
 
-/// Whether `ty` can be repacked in groups of `width` (the K-quants in groups of 16
-/// only: [`k`]).
+/// Whether `ty` can be repacked in groups of `width` (every type the lane kernels read).
 pub(crate) fn takes(ty: BlockType, width: usize) -> bool {
+    debug_assert!(width == WIDE || width == NARROW);
     match ty {
         BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0 => true,
-        BlockType::Q4K | BlockType::Q6K => width == WIDE,
+        BlockType::Q4K | BlockType::Q6K => true,
     }
 }
 

@@ -9,6 +9,10 @@
 //! group's eight products at most 30,480, so Q4_0 and Q4_1 widen once a group; Q5_0's
 //! 5-bit weights (7,874 a product) every four products; Q8_0 multiplies magnitudes by
 //! signed activations (`vpsignb`), at most 2·128·127 = 32,512, and widens every product.
+//! Q4_K's sub-blocks are Q4_1's nibbles (widened once a group); Q6_K's 6-bit weights
+//! (16,002 a product) are widened at every product, by `vpmaddwd` against each
+//! half-block's 8-bit scale rather than ones, so both halves share one sum (at most
+//! 2·16,002·128 a widening, 8 a group: 33 M).
 //! The integer sums are exact, so the order of additions does not change a result.
 //!
 //! Every (row, token) pair is computed by the same operations in the same order, however
@@ -55,7 +59,7 @@ unsafe fn halves(at: *const u16, n: usize) -> __m256 {
 }
 
 /// `R` rows times tokens `first..first + T`; `KIND`: a weight a byte, two, or two with
-/// their fifth bits beside.
+/// their fifth (and sixth) bits beside.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
@@ -83,6 +87,9 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
         NIBBLES_AND_BITS => 2,
         _ => 1,
     };
+    let minus32 = _mm256_set1_ps(-32.0);
+    // Q4_K's and Q6_K's scales: a record of 16 blocks' values holds two groups'.
+    let ahead = AHEAD / (NARROW * qb);
     for g in 0..groups {
         let n = (blocks - g * NARROW).min(NARROW);
         // Lanes past a row's last block are not loaded (their activations are zero).
@@ -106,16 +113,28 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             for line in (0..NARROW * qb).step_by(64) {
                 fetch(w.q.as_ptr(), at + line + AHEAD);
             }
-            let at = (row * blocks + g * NARROW) * hpb * 2;
-            fetch(w.h.as_ptr() as *const u8, at + AHEAD * hpb * 2 / qb);
-            if KIND == NIBBLES_AND_BITS {
-                let at = (row * groups + g) * 32;
-                fetch(
-                    w.bits.as_ptr() as *const u8,
-                    at + AHEAD * 32 / (NARROW * qb),
-                );
+            if let Some(k) = &w.k {
+                fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, ahead / 2));
+            } else {
+                let at = (row * blocks + g * NARROW) * hpb * 2;
+                fetch(w.h.as_ptr() as *const u8, at + AHEAD * hpb * 2 / qb);
+            }
+            for plane in [&w.bits, &w.bits6] {
+                if !plane.is_empty() {
+                    let at = (row * groups + g + ahead) * 32;
+                    fetch(plane.as_ptr() as *const u8, at);
+                }
             }
         }
+        // Q6_K: each half's products widened at once, scaled by its 8-bit scale as they
+        // are (`vpmaddwd`), into one sum a lane: no second set of sums to hold.
+        let scales6: [(__m256i, __m256i); R] = std::array::from_fn(|r| match &w.k {
+            // SAFETY: row `rows[r]`'s record for group `g`.
+            Some(k) if KIND == SIX_BITS => unsafe {
+                crate::lanes::k::narrow_scales6_i16(k, rows[r], g)
+            },
+            _ => (ones, ones),
+        });
         // A constant trip count: the loop unrolls and the widenings fall in place.
         for v in 0..vectors {
             for r in 0..R {
@@ -133,21 +152,38 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                     if KIND != BYTES {
                         let mut lo = _mm256_and_si256(raw, m4);
                         let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                        if KIND == NIBBLES_AND_BITS {
+                        if KIND == NIBBLES_AND_BITS || KIND == SIX_BITS {
                             // This product's word: the low nibbles' bits, then the high ones'.
-                            let planes = *w.bits.as_ptr().add((rows[r] * groups + g) * 4 + v);
+                            let slot = (rows[r] * groups + g) * 4 + v;
+                            let planes = *w.bits.as_ptr().add(slot);
                             lo = _mm256_or_si256(lo, crate::fused::high_bits(planes as u32));
                             hi =
                                 _mm256_or_si256(hi, crate::fused::high_bits((planes >> 32) as u32));
+                            if KIND == SIX_BITS {
+                                // 0x10 doubled: the sixth bit.
+                                let planes = *w.bits6.as_ptr().add(slot);
+                                let six = crate::fused::high_bits(planes as u32);
+                                lo = _mm256_or_si256(lo, _mm256_add_epi8(six, six));
+                                let six = crate::fused::high_bits((planes >> 32) as u32);
+                                hi = _mm256_or_si256(hi, _mm256_add_epi8(six, six));
+                            }
                         }
                         for t in 0..T {
                             let xl = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
                             let xh = _mm256_loadu_si256(xg[t].add((4 + v) * 32) as *const __m256i);
-                            let p = _mm256_add_epi16(
-                                _mm256_maddubs_epi16(lo, xl),
-                                _mm256_maddubs_epi16(hi, xh),
-                            );
-                            part[r][t] = _mm256_add_epi16(part[r][t], p);
+                            if KIND == SIX_BITS {
+                                // Q6_K: the high nibbles are the block's second sub-block.
+                                let (sl, sh) = scales6[r];
+                                let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), sl);
+                                let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), sh);
+                                dots[r][t] = _mm256_add_epi32(dots[r][t], _mm256_add_epi32(pl, ph));
+                            } else {
+                                let p = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(lo, xl),
+                                    _mm256_maddubs_epi16(hi, xh),
+                                );
+                                part[r][t] = _mm256_add_epi16(part[r][t], p);
+                            }
                         }
                     } else {
                         let mag = _mm256_sign_epi8(raw, raw);
@@ -156,7 +192,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                             part[r][t] = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, raw));
                         }
                     }
-                    if (v + 1) % widen_every == 0 {
+                    if KIND != SIX_BITS && (v + 1) % widen_every == 0 {
                         for t in 0..T {
                             dots[r][t] =
                                 _mm256_add_epi32(dots[r][t], _mm256_madd_epi16(part[r][t], ones));
@@ -170,12 +206,36 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             // SAFETY: the group's `n` scales (and offsets) of row `rows[r]`; `width`
             // activation scales and sums per group.
             unsafe {
-                let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * NARROW * hpb);
-                let d = halves(at, n);
-                let c = match w.ty {
-                    BlockType::Q4_1 => Some(halves(at.add(n), n)),
-                    BlockType::Q8_0 => None,
-                    _ => Some(_mm256_mul_ps(d, offset_of_d)),
+                if let Some(k) = w.k.as_ref().filter(|_| KIND == SIX_BITS) {
+                    // Q6_K: w = d·sc·(q − 32) a half, q unsigned; the sums hold sc·Σq·x.
+                    let (lo, hi) = crate::lanes::k::narrow_scales6(k, rows[r], g);
+                    let (clo, chi) = (_mm256_mul_ps(lo, minus32), _mm256_mul_ps(hi, minus32));
+                    let d = _mm256_set1_ps(crate::lanes::k::number(k, rows[r], g, 0));
+                    for t in 0..T {
+                        let xat = ((first + t) * groups + g) * NARROW;
+                        let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
+                        let slo = _mm256_loadu_ps(x.sum_lo.as_ptr().add(xat));
+                        let shi = _mm256_loadu_ps(x.sum_hi.as_ptr().add(xat));
+                        let a = &mut acc[r][t];
+                        *a = _mm256_fmadd_ps(clo, slo, *a);
+                        *a = _mm256_fmadd_ps(chi, shi, *a);
+                        let dot = _mm256_cvtepi32_ps(dots[r][t]);
+                        *a = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), *a);
+                    }
+                    continue;
+                }
+                let (d, c) = if let Some(k) = &w.k {
+                    let (d, c) = crate::lanes::k::narrow_scales(k, rows[r], g);
+                    (d, Some(c))
+                } else {
+                    let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * NARROW * hpb);
+                    let d = halves(at, n);
+                    let c = match w.ty {
+                        BlockType::Q4_1 => Some(halves(at.add(n), n)),
+                        BlockType::Q8_0 => None,
+                        _ => Some(_mm256_mul_ps(d, offset_of_d)),
+                    };
+                    (d, c)
                 };
                 for t in 0..T {
                     let xat = ((first + t) * groups + g) * NARROW;

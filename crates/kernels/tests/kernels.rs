@@ -386,7 +386,7 @@ fn rows_in_a_batch_equal_each_alone_bit_for_bit() {
                         .zip(&alone)
                         .all(|(a, b)| a.to_bits() == b.to_bits());
                     // The tiles take widths of whole 64s; others go the portable way.
-                    let exact = exact_in_batches(isa, ty)
+                    let exact = exact_in_batches(isa)
                         && (pinned == Rows::Int8 || cols % 64 == 0 || isa == Isa::Avx2);
                     assert!(
                         same || !exact,
@@ -399,16 +399,11 @@ fn rows_in_a_batch_equal_each_alone_bit_for_bit() {
 }
 
 /// Where the batch kernels keep the single-token arithmetic: AVX-512, and AVX2's lane
-/// kernel (the 32-weight block types, repacked when AVX2 is the machine's instruction set);
-/// AVX2's other batch loops and the portable ones sum in another order.
-fn exact_in_batches(isa: Isa, ty: BlockType) -> bool {
-    let lane_type = matches!(
-        ty,
-        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0
-    );
+/// kernel (every block type, repacked when AVX2 is the machine's instruction set); AVX2's
+/// other batch loops and the portable ones sum in another order.
+fn exact_in_batches(isa: Isa) -> bool {
     let repacked = std::env::var("SHOAL_LANES").map_or(true, |v| v != "0");
-    isa == Isa::Avx512Vnni
-        || (isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 && lane_type && repacked)
+    isa == Isa::Avx512Vnni || (isa == Isa::Avx2 && Isa::detect() == Isa::Avx2 && repacked)
 }
 
 #[test]

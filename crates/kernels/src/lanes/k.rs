@@ -1,4 +1,5 @@
-//! The K-quants in the lane layout ([`super`], groups of 16 only).
+//! The K-quants in the lane layout ([`super`]; in groups of 8, a group is one
+//! super-block and reads half of a record of 16).
 //!
 //! A Q4_K super-block is eight 32-weight sub-blocks `w = d·sc_j·q − dmin·m_j`, each a
 //! Q4_1 block but for its scale and offset, which come from the super-block's f16 `d`
@@ -301,4 +302,88 @@ pub(crate) unsafe fn lane_scales(k: &KScales, r: usize, g: usize, n: usize) -> (
         _mm512_mul_ps(d, sc),
         _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, mn)),
     )
+}
+
+/// Group `g` (super-block `g`: 8 blocks) of row `r`'s record values in groups of 8
+/// ([`super::NARROW`]): its blocks' first and second values as f32.
+///
+/// # Safety
+/// AVX2; `r` and `g` within the matrix `k` describes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn narrow_record(k: &KScales, r: usize, g: usize) -> [__m256; 2] {
+    let signed = k.six;
+    // SAFETY: 8 bytes of each value row within row r's record (the caller's contract).
+    unsafe {
+        let values = |i: usize| {
+            let p = k.meta.as_ptr().add(k.value(r, g * 8, i));
+            let b = _mm_loadl_epi64(p as *const __m128i);
+            let wide = if signed {
+                _mm256_cvtepi8_epi32(b)
+            } else {
+                _mm256_cvtepu8_epi32(b)
+            };
+            _mm256_cvtepi32_ps(wide)
+        };
+        [values(0), values(1)]
+    }
+}
+
+/// Row `r`'s super-block `s`'s f16 number `h` (Q4_K: 0 `d`, 1 `dmin`; Q6_K: `d`) as f32.
+pub(crate) fn number(k: &KScales, r: usize, s: usize, h: usize) -> f32 {
+    let at = k.half(r, s, h);
+    half::f16::from_le_bytes([k.meta[at.start], k.meta[at.start + 1]]).to_f32()
+}
+
+/// [`lane_scales`] in groups of 8: group `g` of row `r`'s Q4_K lane scales `d·sc_j` and
+/// offsets `−dmin·m_j` (the same f32 values: each an exact product).
+///
+/// # Safety
+/// As [`narrow_record`]'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn narrow_scales(k: &KScales, r: usize, g: usize) -> (__m256, __m256) {
+    // SAFETY: forwarded.
+    let [sc, mn] = unsafe { narrow_record(k, r, g) };
+    let d = _mm256_set1_ps(number(k, r, g, 0));
+    let dmin = _mm256_set1_ps(number(k, r, g, 1));
+    (
+        _mm256_mul_ps(d, sc),
+        _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, mn)),
+    )
+}
+
+/// [`lane_scales6`] in groups of 8: group `g` of row `r`'s Q6_K lane scales `d·sc` for
+/// each block's first and last 16 weights.
+///
+/// # Safety
+/// As [`narrow_record`]'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn narrow_scales6(k: &KScales, r: usize, g: usize) -> (__m256, __m256) {
+    // SAFETY: forwarded.
+    let [lo, hi] = unsafe { narrow_record(k, r, g) };
+    let d = _mm256_set1_ps(number(k, r, g, 0));
+    (_mm256_mul_ps(d, lo), _mm256_mul_ps(d, hi))
+}
+
+/// Group `g` of row `r`'s Q6_K 8-bit scales for each block's first and last 16 weights
+/// as 16-bit pairs (lane `j`: block `j`'s scale twice), for `vpmaddwd` to scale the
+/// products' 16-bit sums as it widens them.
+///
+/// # Safety
+/// As [`narrow_record`]'s.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn narrow_scales6_i16(k: &KScales, r: usize, g: usize) -> (__m256i, __m256i) {
+    // SAFETY: 8 bytes of each value row within row r's record (the caller's contract).
+    unsafe {
+        let pairs = |i: usize| {
+            let p = k.meta.as_ptr().add(k.value(r, g * 8, i));
+            let words = _mm_cvtepi8_epi16(_mm_loadl_epi64(p as *const __m128i));
+            let low = _mm256_cvtepu16_epi32(words);
+            _mm256_or_si256(low, _mm256_slli_epi32::<16>(low))
+        };
+        (pairs(0), pairs(1))
+    }
 }

@@ -50,13 +50,19 @@ fn k_quant_rows_come_back_byte_for_byte() {
             let data: Vec<u8> = (0..rows * supers * bb)
                 .map(|i| (i * 131 % 251) as u8)
                 .collect();
-            let lanes = Lanes::pack(ty, rows, supers * 256, &data, WIDE);
-            assert!(lanes.k.is_some() && lanes.h.is_empty());
-            let mut row = Vec::new();
-            for r in 0..rows {
-                lanes.gguf_row(r, &mut row);
-                let want = &data[r * supers * bb..(r + 1) * supers * bb];
-                assert_eq!(&row[..], want, "{ty:?}, {supers} super-blocks, row {r}");
+            for width in [WIDE, NARROW] {
+                let lanes = Lanes::pack(ty, rows, supers * 256, &data, width);
+                assert!(lanes.k.is_some() && lanes.h.is_empty());
+                let mut row = Vec::new();
+                for r in 0..rows {
+                    lanes.gguf_row(r, &mut row);
+                    let want = &data[r * supers * bb..(r + 1) * supers * bb];
+                    assert_eq!(
+                        &row[..],
+                        want,
+                        "{ty:?}, {supers} super-blocks, row {r}, {width}"
+                    );
+                }
             }
         }
     }
