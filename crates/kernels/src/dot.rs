@@ -48,12 +48,18 @@ impl Isa {
 
     /// Whether prompt rows and decode rows (see [`crate::Rows`]) round alike: on AVX-512
     /// VNNI, whose register tiles and lane kernel compute every row as the single-token
-    /// kernel does, and on the portable kernel, which has one path. On AVX2 a batch's
-    /// rows take the unpacked-row kernel and a lone token the fused one; on AMX prompt
-    /// rows take the bf16 tiles: there a batch holding both must run them apart for each
-    /// row to equal its computation alone.
+    /// kernel does; on AVX2 where every block type is in its lane layout (the default),
+    /// one kernel for any number of rows; and on the portable kernel, which has one path.
+    /// On AVX2 in GGUF's layout (`SHOAL_LANES=0`) a batch's rows take the unpacked-row
+    /// kernel and a lone token the fused one; on AMX prompt rows take the bf16 tiles:
+    /// there a batch holding both must run them apart for each row to equal its
+    /// computation alone.
     pub fn rows_round_alike(self) -> bool {
-        matches!(self, Self::Avx512Vnni | Self::Scalar)
+        match self {
+            Self::Avx512Vnni | Self::Scalar => true,
+            Self::Avx2 => cfg!(target_arch = "x86_64") && crate::matmul::lanes_on(),
+            Self::Amx => false,
+        }
     }
 
     /// Every instruction set this machine can run, best last.

@@ -34,10 +34,16 @@ fn lane_width(isa: Isa) -> Option<usize> {
 /// and AVX2 machines, unless `SHOAL_LANES=0` (to compare with GGUF's layout).
 #[cfg(target_arch = "x86_64")]
 fn repack(ty: BlockType) -> Option<usize> {
-    if std::env::var("SHOAL_LANES").is_ok_and(|v| v == "0") {
+    if !lanes_on() {
         return None;
     }
     lane_width(Isa::detect()).filter(|&width| crate::lanes::takes(ty, width))
+}
+
+/// Whether quantized matrices are repacked for the lane kernels (`SHOAL_LANES=0` keeps
+/// GGUF's layout).
+pub(crate) fn lanes_on() -> bool {
+    std::env::var("SHOAL_LANES").map_or(true, |v| v != "0")
 }
 
 impl QuantMatrix {
