@@ -201,6 +201,10 @@ pub struct Model {
     max_len: usize,
     compute: Compute,
     gpu_decode: GpuDecode,
+    /// Whether this machine's kernels compute prompt rows and decode rows alike
+    /// (`shoal_kernels::Isa::rows_round_alike`): else a batch holding both runs them as
+    /// two groups.
+    rows_round_alike: bool,
     /// The GPU decode path's kernels, buffers and graphs, built on first use.
     #[cfg(feature = "cuda")]
     gpu_plan: Arc<std::sync::Mutex<gpu_decode::PlanState>>,
@@ -488,6 +492,7 @@ impl Model {
             max_len,
             compute: compute.clone(),
             gpu_decode: GpuDecode::from_env(),
+            rows_round_alike: shoal_kernels::Isa::detect().rows_round_alike(),
             #[cfg(feature = "cuda")]
             gpu_plan: Default::default(),
         })

@@ -4,8 +4,9 @@
 mod common;
 
 use candle_core::quantized::GgmlDType;
-use common::batching::{alone, check_runs};
+use common::batching::{alone, batched_with, check_runs};
 use common::model_file;
+use common::row_differs;
 use shoal_model::Architecture;
 use shoal_runner::Strategy;
 
@@ -34,4 +35,28 @@ fn batched_tensor_matches_each_sequence_alone() {
 #[test]
 fn batched_sequence_matches_each_sequence_alone() {
     check(Strategy::Sequence);
+}
+
+#[test]
+fn tensor_ranks_whose_machines_group_a_batch_otherwise_still_pair_up() {
+    // Rank 1 stands in for a machine whose prompt and decode rows round otherwise (AMX):
+    // alone it would run a batch holding both as two groups, where rank 0 runs one pass,
+    // and their per-half-layer all-reduces would not pair up (a size mismatch at the
+    // first mixed step). The ranks agree on the grouping; every row stays its own.
+    let path = model_file(Architecture::Llama, GgmlDType::Q8_0);
+    let want = alone(&path);
+    let apart = |rank: usize, m: shoal_model::Model| {
+        if rank == 1 { m.with_rows_apart() } else { m }
+    };
+    let got = batched_with(&path, Strategy::Tensor, 2, 1, apart);
+    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+        for (k, (w, g)) in w.iter().zip(g).enumerate() {
+            assert_eq!(w.len(), g.len(), "seq {i} step {k} rows");
+            for (wr, gr) in w.iter().zip(g) {
+                if let Some(why) = row_differs(wr, gr, 3e-2) {
+                    panic!("seq {i} step {k} {why}");
+                }
+            }
+        }
+    }
 }

@@ -86,13 +86,12 @@ impl Model {
         // Prompt rows (parts of two rows or more) take the kernels' prompt paths, decode
         // rows the single-token ones, however many of each are together: every row is
         // computed as it would be alone (see `Model::forward_layers_with`). A batch with
-        // both runs as two groups, the same way on every rank, on a machine whose two
-        // paths round otherwise (AVX2, AMX); elsewhere one pass serves all. (The
-        // scheduler never slices a prompt into a lone row.)
+        // both runs as two groups on a machine whose two paths round otherwise (AMX, AVX2
+        // in GGUF's layout); elsewhere one pass serves all. (The scheduler never slices a
+        // prompt into a lone row.)
         let long = |p: &BatchPart<'_>| p.rows >= 2;
-        let mixed = !shoal_kernels::Isa::detect().rows_round_alike()
-            && parts.iter().any(long)
-            && !parts.iter().all(long);
+        let both = parts.iter().any(long) && !parts.iter().all(long);
+        let mixed = both && self.runs_apart(&mut links)?;
         let x = if mixed {
             self.forward_groups(hidden, parts, &starts, &masks, &mut links)?
         } else {
@@ -109,6 +108,25 @@ impl Model {
             p.cache.advance(p.rows);
         }
         Ok(x)
+    }
+
+    /// Whether a batch holding prompt and decode rows runs them as two groups. A
+    /// tensor-parallel shard asks every rank (one all-reduce of a flag): each half-layer's
+    /// all-reduce pairs up only if every rank groups alike, and the ranks' machines may
+    /// differ (one with AMX, one without).
+    fn runs_apart(&self, links: &mut Option<&mut dyn ShardLinks>) -> Result<bool> {
+        let mut apart = [if self.rows_round_alike { 0.0 } else { 1.0 }];
+        if let Some(links) = links.as_deref_mut() {
+            links.all_reduce_sum(&mut apart)?;
+        }
+        Ok(apart[0] > 0.0)
+    }
+
+    /// Marks this model's machine as one whose prompt and decode rows round otherwise
+    /// (as AMX's do): a test stands in for such a machine among ranks on one.
+    pub fn with_rows_apart(mut self) -> Self {
+        self.rows_round_alike = false;
+        self
     }
 
     fn run_layers(

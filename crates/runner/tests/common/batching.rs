@@ -6,7 +6,7 @@ use shoal_engine::{LocalSession, Session};
 use shoal_model::{GgufFile, Model};
 use shoal_runner::{Logits, Part, Strategy};
 
-use super::{row_differs, start_split, stop_split};
+use super::{row_differs, stop_split};
 
 const SEQS: usize = 16;
 const STEPS: usize = 9;
@@ -81,7 +81,18 @@ pub fn batched(
     world: usize,
     micro: usize,
 ) -> Vec<Vec<Vec<Vec<f32>>>> {
-    let (model, handles) = start_split(path, strategy, world);
+    batched_with(path, strategy, world, micro, |_, m| m)
+}
+
+/// [`batched`] with each rank's model adjusted as [`super::start_split_with`] does.
+pub fn batched_with(
+    path: &std::path::Path,
+    strategy: Strategy,
+    world: usize,
+    micro: usize,
+    adjust: fn(usize, Model) -> Model,
+) -> Vec<Vec<Vec<Vec<f32>>>> {
+    let (model, handles) = super::start_split_with(path, strategy, world, adjust);
     let seqs: Vec<u64> = (0..SEQS).map(|_| model.open()).collect();
     let mut got = vec![vec![Vec::new(); STEPS]; SEQS];
     let mut sizes = Vec::new();

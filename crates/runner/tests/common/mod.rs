@@ -95,6 +95,20 @@ pub fn start_split(
     SplitModel<LocalTransport>,
     Vec<thread::JoinHandle<Result<(), RankError>>>,
 ) {
+    start_split_with(path, strategy, world, |_, m| m)
+}
+
+/// [`start_split`] with each rank's model passed through `adjust(rank, model)` (to
+/// stand in for ranks on machines of different kinds).
+pub fn start_split_with(
+    path: &Path,
+    strategy: Strategy,
+    world: usize,
+    adjust: fn(usize, Model) -> Model,
+) -> (
+    SplitModel<LocalTransport>,
+    Vec<thread::JoinHandle<Result<(), RankError>>>,
+) {
     let file = GgufFile::open(path).expect("open");
     let config = file.model_config().expect("config").clone();
     let specs = plan(&config, strategy, world).expect("plan");
@@ -106,7 +120,7 @@ pub fn start_split(
         let make = move || {
             let file = GgufFile::open(&path).expect("open");
             let model = Model::load(&file, spec.load.clone(), 256).expect("load shard");
-            Rank::new(spec, model, group).expect("rank")
+            Rank::new(spec.clone(), adjust(spec.rank, model), group).expect("rank")
         };
         if lead.is_none() {
             lead = Some(make());
