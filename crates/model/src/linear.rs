@@ -81,8 +81,7 @@ pub(crate) fn shoal_matrix(q: &QTensor, kernels: KernelChoice) -> Result<Option<
         return Ok(None);
     };
     let (rows, cols) = q.shape().dims2()?;
-    let data = q.data()?.into_owned();
-    QuantMatrix::new(ty, rows, cols, data)
+    QuantMatrix::from_bytes(ty, rows, cols, &q.data()?)
         .map(Some)
         .map_err(|e| ModelError::Invalid(e.to_string()))
 }
