@@ -38,12 +38,17 @@ pub(crate) const WIDE: usize = 16;
 /// Blocks per group for AVX2 (one per 32-bit lane of 256 bits).
 pub(crate) const NARROW: usize = 8;
 
-/// Whether `ty` can be repacked in groups of `width` (every type the lane kernels read).
+/// Whether `ty` can be repacked in groups of `width`: every block type shoal's kernels
+/// read, at both widths (a type added to [`BlockType`] must be decided here).
 pub(crate) fn takes(ty: BlockType, width: usize) -> bool {
     debug_assert!(width == WIDE || width == NARROW);
     match ty {
-        BlockType::Q4_0 | BlockType::Q4_1 | BlockType::Q5_0 | BlockType::Q8_0 => true,
-        BlockType::Q4K | BlockType::Q6K => true,
+        BlockType::Q4_0
+        | BlockType::Q4_1
+        | BlockType::Q5_0
+        | BlockType::Q8_0
+        | BlockType::Q4K
+        | BlockType::Q6K => true,
     }
 }
 

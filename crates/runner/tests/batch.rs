@@ -4,9 +4,8 @@
 mod common;
 
 use candle_core::quantized::GgmlDType;
-use common::batching::{alone, batched_with, check_runs};
+use common::batching::{alone, assert_same_rows, batched_with, check_runs};
 use common::model_file;
-use common::row_differs;
 use shoal_model::Architecture;
 use shoal_runner::Strategy;
 
@@ -49,14 +48,5 @@ fn tensor_ranks_whose_machines_group_a_batch_otherwise_still_pair_up() {
         if rank == 1 { m.with_rows_apart() } else { m }
     };
     let got = batched_with(&path, Strategy::Tensor, 2, 1, apart);
-    for (i, (w, g)) in want.iter().zip(&got).enumerate() {
-        for (k, (w, g)) in w.iter().zip(g).enumerate() {
-            assert_eq!(w.len(), g.len(), "seq {i} step {k} rows");
-            for (wr, gr) in w.iter().zip(g) {
-                if let Some(why) = row_differs(wr, gr, 3e-2) {
-                    panic!("seq {i} step {k} {why}");
-                }
-            }
-        }
-    }
+    assert_same_rows("tensor, 2 ranks, rank 1 apart", &want, &got, 3e-2);
 }

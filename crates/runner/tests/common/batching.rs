@@ -185,20 +185,26 @@ pub fn check_runs(
     });
     for (world, micro) in runs {
         let got = batched(path, strategy, world, micro);
-        for i in 0..SEQS {
-            for k in 0..STEPS {
-                let (w, g) = (&want[i][k], &got[i][k]);
-                assert_eq!(
-                    w.len(),
-                    g.len(),
-                    "{what} {strategy} {world} ({micro} in flight): seq {i} step {k} rows"
-                );
-                for (wr, gr) in w.iter().zip(g) {
-                    if let Some(why) = row_differs(wr, gr, tolerance) {
-                        panic!(
-                            "{what} {strategy} {world} ranks ({micro} in flight): seq {i} step {k} {why}"
-                        );
-                    }
+        let run = format!("{what} {strategy} {world} ranks ({micro} in flight)");
+        assert_same_rows(&run, want, &got, tolerance);
+    }
+}
+
+/// Every (sequence, step) of `got` has `want`'s rows, each logit within `tolerance` (as
+/// [`check_runs`]); `run` names the run in a failure.
+pub fn assert_same_rows(
+    run: &str,
+    want: &[Vec<Vec<Vec<f32>>>],
+    got: &[Vec<Vec<Vec<f32>>>],
+    tolerance: f32,
+) {
+    for i in 0..SEQS {
+        for k in 0..STEPS {
+            let (w, g) = (&want[i][k], &got[i][k]);
+            assert_eq!(w.len(), g.len(), "{run}: seq {i} step {k} rows");
+            for (wr, gr) in w.iter().zip(g) {
+                if let Some(why) = row_differs(wr, gr, tolerance) {
+                    panic!("{run}: seq {i} step {k} {why}");
                 }
             }
         }
