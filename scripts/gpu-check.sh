@@ -18,12 +18,20 @@
 #       or 64; MODES="graphs nocluster cluster8" attention and its merge as one kernel of
 #       thread-block clusters for caches up to 64 positions a block (default, 16 blocks a
 #       KV head), off, or 8 blocks a KV head; MODES="graphs nopairs" dense mat-vecs two
-#       rows a team (default) or one
+#       rows a team (default) or one; split8 teams of 8 warps a row, split-STAGE:N[,...]
+#       N warps a row of one stage's matrices (stages as omit- names them); noprefetch: the
+#       attention's run of the cache not asked of L2 before its wait; next: the output
+#       projection's weights asked of L2 by the attention (off by default); fuse: the
+#       output projection in the cluster attention kernel (off by default: a mat-vec of
+#       its own); timing only (the answers are wrong): repeat2 replays the graph twice a token (the difference is the
+#       graph's own time), omit-STAGE[,STAGE] leaves qkv, attn, o, gate_up, down or head out
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
 #       every kernel of one 512-token prompt instead; DEPTH=N: the decode kernels after N
-#       tokens of context (COUNT of them, default 1200) instead of after a 512-token prompt
+#       tokens of context (COUNT of them, default 1200) instead of after a 512-token prompt;
+#       PROFILE=detail: two layers' kernels with Nsight Compute's memory, occupancy and
+#       warp-stall sections, $OUT/detail-SHAPE-DTYPE.csv
 #   scripts/gpu-check.sh batch [SHAPE:DTYPE...] one GPU: generation of BATCHES (default
 #       "1 8 32") sequences decoding together (bench --local --batch), total tok/s:
 #       $OUT/batch.jsonl
@@ -62,6 +70,13 @@ mode_env() { # mode
     nocluster) env=(SHOAL_GPU_ATTN_CLUSTER=0) ;;
     nopairs) env=(SHOAL_GPU_PAIRS=0) ;;
     cluster8) env=(SHOAL_GPU_ATTN_CLUSTER=8) ;;
+    split8) env=(SHOAL_GPU_SPLIT=8) ;;
+    split-*) env=(SHOAL_GPU_SPLIT=${1#split-}) ;;
+    noprefetch) env=(SHOAL_GPU_ATTN_PREFETCH=0) ;;
+    next) env=(SHOAL_GPU_PREFETCH_NEXT=1) ;;
+    fuse) env=(SHOAL_GPU_FUSE_O=1) ;;
+    repeat2) env=(SHOAL_GPU_REPEAT=2) ;;
+    omit-*) env=(SHOAL_GPU_OMIT=${1#omit-}) ;;
     *) echo "unknown mode $1" >&2; exit 2 ;;
   esac
 }
@@ -190,6 +205,20 @@ if [ "$what" = profile ]; then
       # tokens): the prompt (candle's path) launches none of them.
       select=(--kernel-name regex:shoal_ --launch-skip 1200 --launch-count "${COUNT:-1200}")
       run=(--pp 512 --tg 64 -r 1)
+      if [ "${PROFILE:-decode}" = detail ]; then
+        # Two layers' decode kernels, each with Nsight Compute's sections on where its
+        # time goes (memory, occupancy, warp stalls): $out/detail-SHAPE-DTYPE.csv.
+        SHOAL_CUDA_GRAPHS=0 timeout "${PROFILE_TIMEOUT:-300}" "$ncu" --clock-control none \
+          --kernel-name 'regex:^shoal_(attention|matvec|gate_up|qkv_rope)' \
+          --launch-skip 400 --launch-count "${COUNT:-10}" --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+          --section LaunchStats --metrics smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_lg_throttle,smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_wait \
+          --csv --page details /tmp/shoal bench --local -m "$file" --device cuda:0 --ctx 2048 \
+          --pp 512 --tg 16 -r 0 >"$out/detail-$shape-$dt.csv" 2>"$out/profile-err.txt"
+        echo "ncu exit $? for $one"; tail -3 "$out/profile-err.txt"
+        done_with "$file"
+        continue
+      fi
       if [ -n "${DEPTH:-}" ]; then
         # The prompt's own kernels (prefill.cu) are named shoal_ too: only decode's.
         select=(--kernel-name 'regex:^shoal_(attention|attn_merge|matvec|gate_up|qkv_rope|rope_append)'

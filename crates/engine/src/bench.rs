@@ -154,11 +154,7 @@ impl Engine {
                 for _ in 0..config.tg {
                     let logits = session.forward(&[next], false)?.squeeze(0)?;
                     // On a GPU the arg-max runs there: one id comes back, not the row.
-                    next = if logits.device().is_cpu() {
-                        argmax(&logits.to_vec1::<f32>()?)
-                    } else {
-                        logits.argmax(0)?.to_scalar::<u32>()?
-                    };
+                    next = argmax_rows(&logits)?[0];
                 }
                 let secs = t.elapsed().as_secs_f64();
                 if run > 0 {
@@ -211,15 +207,20 @@ impl Engine {
     }
 }
 
-/// Each row's arg-max (on a GPU computed there: only the ids come back).
+/// Each row's arg-max of logits of one or two dimensions (on a GPU computed there: only
+/// the ids come back).
 fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
-    if logits.device().is_cpu() {
-        return Ok(logits
-            .to_dtype(shoal_model::DType::F32)?
-            .to_vec2::<f32>()?
-            .iter()
-            .map(|r| argmax(r))
-            .collect());
+    let logits = logits.to_dtype(shoal_model::DType::F32)?;
+    if let Some(ids) = shoal_model::device_argmax(&logits)? {
+        return Ok(ids);
     }
-    Ok(logits.argmax(1)?.to_vec1::<u32>()?)
+    let logits = if logits.rank() == 1 {
+        logits.unsqueeze(0)?
+    } else {
+        logits
+    };
+    if logits.device().is_cpu() {
+        return Ok(logits.to_vec2::<f32>()?.iter().map(|r| argmax(r)).collect());
+    }
+    Ok(logits.contiguous()?.argmax(1)?.to_vec1::<u32>()?)
 }

@@ -86,8 +86,15 @@ impl<'e> Decoder<'e> {
             logits.clone()
         };
         let greedy = self.sampler.params().is_greedy();
-        let next = if greedy && !logits.device().is_cpu() {
+        let on_device = if greedy {
+            shoal_model::device_argmax(&logits)?
+        } else {
+            None
+        };
+        let next = if let Some(ids) = on_device {
             // On a GPU: the arg-max there, one id back instead of the whole row.
+            ids[0]
+        } else if greedy && !logits.device().is_cpu() {
             logits.argmax(0)?.to_scalar::<u32>()?
         } else if let Some(next) = greedy.then(|| argmax_in_place(&logits)).flatten() {
             next

@@ -27,7 +27,7 @@ pub use gguf::GgufFile;
 pub use linear::{KernelChoice, QLinear, cpu_values};
 pub use safetensors::SafetensorsDir;
 pub use shard::{ShardLinks, TensorSlice, all_reduce_through_host, tensor_slices};
-pub use transformer::{BatchPart, GpuDecode, LoadSpec, Model, zigzag_pieces};
+pub use transformer::{BatchPart, GpuDecode, LoadSpec, Model, device_argmax, zigzag_pieces};
 pub use weights::{Weight, WeightSource};
 
 pub use candle_core::{DType, Device, Tensor};

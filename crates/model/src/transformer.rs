@@ -189,6 +189,19 @@ impl GpuDecode {
     }
 }
 
+/// Each row's arg-max (the first index on ties) of f32 logits of one or two dimensions,
+/// computed where they lie on a CUDA device so that only the ids come back; `None` for
+/// logits elsewhere (the caller reads them: on the CPU they are already at hand).
+pub fn device_argmax(logits: &Tensor) -> Result<Option<Vec<u32>>> {
+    #[cfg(feature = "cuda")]
+    return gpu_decode::argmax_rows(logits);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = logits;
+        Ok(None)
+    }
+}
+
 /// A model, or the part of one that a shard holds.
 #[derive(Debug, Clone)]
 pub struct Model {

@@ -392,3 +392,104 @@ fn batched_gpu_decode_matches_each_sequence_alone() {
         }
     }
 }
+
+/// `device_argmax` on rows of a vocabulary's size and odd ones: the first index on ties
+/// (as the host's arg-max), a row whose start is not 16-byte aligned (a narrowed view's
+/// copy), a length not a multiple of 4, a row of -inf, and several rows at once.
+#[test]
+fn device_argmax_equals_the_host_first_index_on_ties() {
+    let Some(c) = gpu(DType::F32) else {
+        return;
+    };
+    let dev = c.device.clone();
+    let mut seed = 0x9e37_79b9_u32;
+    let mut rand = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        (seed % 1000) as f32 / 10.0
+    };
+    for n in [1usize, 3, 31, 1000, 4099, 128_256, 151_937] {
+        let mut rows: Vec<Vec<f32>> = (0..3).map(|_| (0..n).map(|_| rand()).collect()).collect();
+        // Ties: the maximum twice, the later copy must lose.
+        let top = rows[1].iter().cloned().fold(f32::MIN, f32::max) + 1.0;
+        rows[1][n / 2] = top;
+        rows[1][n - 1] = top;
+        rows[2] = vec![f32::NEG_INFINITY; n];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let t = Tensor::from_vec(flat.clone(), (3, n), &dev).expect("upload");
+        let want: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+        let want = [want[0], (n / 2) as u32, 0];
+        let got = shoal_model::device_argmax(&t)
+            .expect("argmax")
+            .expect("on a GPU");
+        assert_eq!(got, want, "rows of {n}");
+        // One row that starts 4 bytes into its buffer (not 16-byte aligned).
+        let one = Tensor::from_vec(flat, 3 * n, &dev)
+            .and_then(|t| t.narrow(0, 1, n))
+            .expect("narrow");
+        let mut host: Vec<f32> = one.to_vec1().expect("row");
+        let got = shoal_model::device_argmax(&one)
+            .expect("argmax")
+            .expect("on a GPU");
+        assert_eq!(got, vec![argmax(&host)], "an unaligned row of {n}");
+        host.iter_mut().for_each(|v| *v = -*v);
+        let neg = Tensor::from_vec(host.clone(), n, &dev).expect("upload");
+        let got = shoal_model::device_argmax(&neg)
+            .expect("argmax")
+            .expect("on a GPU");
+        assert_eq!(got, vec![argmax(&host)], "negated row of {n}");
+    }
+}
+
+/// The attention kernel that does the output projection reads 16-byte pieces of each
+/// row of W_o a lane; the decode shape's groups are 256 values wide (one piece a lane).
+/// Here groups of 512 (llama-8B's) and 768 (qwen2.5-1.5b's: 6 heads of 128) as well:
+/// graph replay equals eager and both stay within bf16 tolerance of the CPU.
+#[test]
+fn output_projection_in_the_attention_kernel_at_wider_groups() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-wide-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+    // The fused path is a variant (off by default); the plans below read the switch.
+    unsafe { std::env::set_var("SHOAL_GPU_FUSE_O", "1") };
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 500).collect();
+    for (hidden, heads, kv_heads) in [(1024, 8, 2), (1536, 12, 2)] {
+        let shape = SyntheticShape {
+            hidden,
+            heads,
+            kv_heads,
+            head_dim: 128,
+            ffn: 1024,
+            vocab: 512,
+            layers: 2,
+            context: 256,
+            ..SyntheticShape::tiny(Architecture::Llama)
+        };
+        let path = dir.join(format!("wide-{hidden}.gguf"));
+        write_synthetic_gguf(&shape, GgmlDType::F32, 9, &path).expect("write");
+        let file = GgufFile::open(&path).expect("open");
+        let spec = LoadSpec::full(2);
+        let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+        let tokens: Vec<u32> = (0..24).map(|i| (i * 29 + 3) % 500).collect();
+        let want = decode_logits(&cpu, &prompt, &tokens);
+        let load = |mode: GpuDecode| {
+            let mut m = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
+            m.set_gpu_decode(mode);
+            m
+        };
+        let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, &tokens);
+        let eager = decode_logits(&load(GpuDecode::Eager), &prompt, &tokens);
+        let (err, scale) = max_err(&want, &graphs);
+        let width = heads / kv_heads * 128;
+        eprintln!("groups of {width}: graph vs CPU f32 {err:.2e} (scale {scale:.2})");
+        assert_eq!(graphs, eager, "groups of {width}: replay differs");
+        assert!(
+            err <= 8e-2 * scale,
+            "groups of {width}: off the CPU by {err}"
+        );
+    }
+}

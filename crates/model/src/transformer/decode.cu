@@ -817,6 +817,52 @@ __device__ __forceinline__ int attn_chunk(int len, int splits) {
     return max(32, (len + splits - 1) / splits);
 }
 
+// Block (KV head blockIdx.x, split blockIdx.y)'s run of the cache, as attention_block
+// walks it, asked of L2 before the kernel waits for the one ahead (`prefetch` set): the
+// keys and values of earlier positions do not depend on that kernel, and the one it
+// appends lands in L2 over the prefetched line (L2 is where the SMs' writes meet), so
+// the run's DRAM latency overlaps the q/k/v projection's tail. Reads only the position,
+// which the host copies in before the step.
+__device__ __forceinline__ void prefetch_cache(const bf16* k_cache, const bf16* v_cache,
+                                               const int* pos_ptr, int hd, int cap,
+                                               int prefetch) {
+    if (!prefetch) return;
+    const int len = *pos_ptr + 1;
+    const int chunk = attn_chunk(len, gridDim.y);
+    const int start = blockIdx.y * chunk, end = min(len, start + chunk);
+    if (start >= end) return;
+    const size_t first = ((size_t)blockIdx.x * cap + start) * hd;
+    const int lines = ((end - start) * hd * (int)sizeof(bf16) + 127) / 128;
+    for (int i = threadIdx.x; i < 2 * lines; i += blockDim.x) {
+        const bf16* run = (i < lines ? k_cache : v_cache) + first;
+        prefetch_l2(reinterpret_cast<const uint8_t*>(run) + (size_t)(i % lines) * 128);
+    }
+}
+
+// The next product's weights (the output projection's, `next`, `bytes` long) asked of L2
+// by the attention kernel once the kernel ahead has finished: attention reads a few MB of
+// cache while the DRAM would otherwise idle, and the product after it then streams its
+// weights from L2. (Asked before the wait, they competed with the q/k/v projection's own
+// stream: on an H100, llama-8B bf16 176.3 tok/s against 178.0 without.)
+// Each thread of the grid takes one slice with one bulk prefetch (Hopper's
+// cp.async.bulk.prefetch.L2; sizes and addresses in 16-byte units, a remainder dropped).
+__device__ __forceinline__ void prefetch_next(const uint8_t* next, unsigned long long bytes) {
+#if __CUDA_ARCH__ >= 900
+    if (next == nullptr) return;
+    const unsigned long long threads =
+        (unsigned long long)gridDim.x * gridDim.y * blockDim.x;
+    const unsigned long long t =
+        ((unsigned long long)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    const unsigned long long each = ((bytes + threads - 1) / threads + 15) & ~15ull;
+    const unsigned long long from = t * each;
+    if (from >= bytes) return;
+    const unsigned n = (unsigned)(min(each, bytes - from) & ~15ull);
+    if (n == 0) return;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(next + from), "r"(n)
+                 : "memory");
+#endif
+}
+
 // Splits that hold positions of a context of `len`.
 __device__ __forceinline__ int active_splits(int len, int splits) {
     return (len + attn_chunk(len, splits) - 1) / attn_chunk(len, splits);
@@ -1050,8 +1096,11 @@ __device__ __forceinline__ void attention_by_group(const float* __restrict__ q,
                                     const int* __restrict__ pos_ptr,                          \
                                     float* __restrict__ part_acc,                             \
                                     float2* __restrict__ part_ml, int group, int hd, int cap, \
-                                    float scale) {                                            \
+                                    float scale, int prefetch, const uint8_t* next,           \
+                                    unsigned long long next_bytes) {                          \
+        prefetch_cache(k_cache, v_cache, pos_ptr, hd, cap, prefetch);                         \
         begin_step();                                                                         \
+        prefetch_next(next, next_bytes);                                                      \
         attention_by_group<K>(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, group,   \
                               hd, cap, scale);                                                \
     }
@@ -1067,8 +1116,11 @@ ATTENTION(shoal_attention_keys1, 1)
         const float* __restrict__ q, const bf16* __restrict__ k_cache,                        \
         const bf16* __restrict__ v_cache, const int* __restrict__ pos_ptr,                    \
         float* __restrict__ part_acc, float2* __restrict__ part_ml, int group, int hd,        \
-        int cap, float scale) {                                                               \
+        int cap, float scale, int prefetch, const uint8_t* next,                              \
+        unsigned long long next_bytes) {                                                      \
+        prefetch_cache(k_cache, v_cache, pos_ptr, hd, cap, prefetch);                         \
         begin_step();                                                                         \
+        prefetch_next(next, next_bytes);                                                      \
         attention_split<G, KEYS>(q, k_cache, v_cache, *pos_ptr + 1, part_acc, part_ml, hd,   \
                                  cap, scale);                                                 \
     }
@@ -1119,6 +1171,36 @@ __device__ __forceinline__ float cluster_load(unsigned addr) {
 }
 
 #define MAX_CLUSTER 16
+
+// Value `idx` of the group's merged attention (of query head g of the group): every
+// cluster block's partial (its values `mine`, its (max, sum) pairs `mine_ml`) weighted by
+// its share of the softmax.
+__device__ __forceinline__ float cluster_merged(const float* mine, const float2* mine_ml,
+                                                int idx, int g, unsigned blocks) {
+    float m[MAX_CLUSTER], a[MAX_CLUSTER], l[MAX_CLUSTER];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < MAX_CLUSTER; r++) {
+        m[r] = -INFINITY;
+        a[r] = l[r] = 0.f;
+        if (r < blocks) {
+            const unsigned ml = cluster_addr(mine_ml + g, r);
+            m[r] = cluster_load(ml);
+            l[r] = cluster_load(ml + 4);
+            a[r] = cluster_load(cluster_addr(mine + idx, r));
+        }
+        mx = fmaxf(mx, m[r]);
+    }
+    float acc = 0.f, total = 0.f;
+#pragma unroll
+    for (int r = 0; r < MAX_CLUSTER; r++) {
+        if (m[r] == -INFINITY) continue;
+        const float c = __expf(m[r] - mx);
+        acc += a[r] * c;
+        total += l[r] * c;
+    }
+    return acc / total;
+}
 // Attention and its merge in one kernel, for a context short enough that one cluster
 // of blocks a KV head covers it: block (kv head, split) as shoal_attention_gG with the
 // cluster's blocks as the splits (gridDim.y, at most MAX_CLUSTER), each keeping its
@@ -1147,30 +1229,7 @@ __device__ __forceinline__ void attention_cluster(const float* __restrict__ q,
     // Whole warps take 32 consecutive values of one head, as quantize_warp needs: n, hd
     // and blockDim.x are multiples of 32, so a warp's lanes enter and leave together.
     for (int idx = rank * blockDim.x + threadIdx.x; idx < n; idx += blocks * blockDim.x) {
-        const int g = idx / hd;
-        float m[MAX_CLUSTER], a[MAX_CLUSTER], l[MAX_CLUSTER];
-        float mx = -INFINITY;
-#pragma unroll
-        for (int r = 0; r < MAX_CLUSTER; r++) {
-            m[r] = -INFINITY;
-            a[r] = l[r] = 0.f;
-            if (r < blocks) {
-                const unsigned ml = cluster_addr(mine_ml + g, r);
-                m[r] = cluster_load(ml);
-                l[r] = cluster_load(ml + 4);
-                a[r] = cluster_load(cluster_addr(mine + idx, r));
-            }
-            mx = fmaxf(mx, m[r]);
-        }
-        float acc = 0.f, total = 0.f;
-#pragma unroll
-        for (int r = 0; r < MAX_CLUSTER; r++) {
-            if (m[r] == -INFINITY) continue;
-            const float c = __expf(m[r] - mx);
-            acc += a[r] * c;
-            total += l[r] * c;
-        }
-        const float v = acc / total;
+        const float v = cluster_merged(mine, mine_ml, idx, idx / hd, blocks);
         out[base + idx] = v;
         if (xq != nullptr) quantize_warp(v, (base + idx) / WARP, xq, xd);
     }
@@ -1183,8 +1242,11 @@ __device__ __forceinline__ void attention_cluster(const float* __restrict__ q,
         const float* __restrict__ q, const bf16* __restrict__ k_cache,                        \
         const bf16* __restrict__ v_cache, const int* __restrict__ pos_ptr,                    \
         float* __restrict__ out, int8_t* __restrict__ xq, float2* __restrict__ xd, int hd,    \
-        int cap, float scale) {                                                               \
+        int cap, float scale, int prefetch, const uint8_t* next,                              \
+        unsigned long long next_bytes) {                                                      \
+        prefetch_cache(k_cache, v_cache, pos_ptr, hd, cap, prefetch);                         \
         begin_step();                                                                         \
+        prefetch_next(next, next_bytes);                                                      \
         attention_cluster<G>(q, k_cache, v_cache, *pos_ptr + 1, out, xq, xd, hd, cap, scale); \
     }
 ATTENTION_CLUSTER(1)
@@ -1196,6 +1258,166 @@ ATTENTION_CLUSTER(6)
 ATTENTION_CLUSTER(7)
 ATTENTION_CLUSTER(8)
 #undef ATTENTION_CLUSTER
+
+// The output projection (bf16, no bias) inside the cluster attention kernel, for a
+// context the clusters serve: block (kv head, rank) multiplies rows [rank * R, rank * R +
+// R) of W_o (R = hidden / cluster blocks), restricted to the group's G * hd columns, by
+// the group's merged values and writes that partial; the last KV head's block to finish
+// a slice of rows (a counter a slice) adds the slice's partials in KV-head order, then the
+// residual, into y. The block asks L2 for its rows once the kernel ahead has finished,
+// so the DRAM streams the projection's weights while the attention's latency-bound work
+// runs, and the projection's own kernel boundary is gone (its ramp and drain were ~4 us
+// of ~15 on llama-8B, an H100). Every sum is in a fixed order: replays and eager runs
+// agree bit for bit.
+struct OInto {
+    const bf16* w;    // (hidden, ld) row-major, ld = query heads * hd
+    float* partial;   // (KV heads, hidden)
+    unsigned* count;  // a slice of rows each (cluster blocks); zero between kernels
+    float* y;         // the residual stream, updated in place
+    int hidden, ld;
+};
+
+__device__ __forceinline__ void prefetch_o_rows(OInto o, int n, unsigned rank,
+                                                unsigned blocks) {
+    const int rows = o.hidden / blocks, lines = n * (int)sizeof(bf16) / 128;
+    const bf16* first = o.w + (size_t)rank * rows * o.ld + (size_t)blockIdx.x * n;
+    for (int i = threadIdx.x; i < rows * lines; i += blockDim.x)
+        prefetch_l2(reinterpret_cast<const uint8_t*>(first + (size_t)(i / lines) * o.ld) +
+                    (size_t)(i % lines) * 128);
+}
+
+// This block's rows of W_o (PJ 16-byte pieces a lane a row) times the group's values
+// `a` (in shared memory) into `partial`; ROWS rows a warp at a time, all their loads
+// issued before the first is used.
+template <int PJ>
+__device__ __forceinline__ void project_o_slice(const float* a, OInto o, int n,
+                                                unsigned rank, unsigned blocks) {
+    constexpr int ROWS = 16 / PJ;
+    const int rows = o.hidden / blocks, row0 = rank * rows, pieces = n / 8;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    float xs[PJ][8];
+#pragma unroll
+    for (int j = 0; j < PJ; j++) {
+        const int p = lane + WARP * j;
+#pragma unroll
+        for (int e = 0; e < 8; e++) xs[j][e] = p < pieces ? a[8 * p + e] : 0.f;
+    }
+    const bf16* cols = o.w + (size_t)blockIdx.x * n;
+    float* partial = o.partial + (size_t)blockIdx.x * o.hidden + row0;
+    for (int r0 = warp * ROWS; r0 < rows; r0 += warps * ROWS) {
+        uint4 v[ROWS][PJ];
+#pragma unroll
+        for (int rr = 0; rr < ROWS; rr++) {
+            const uint4* row =
+                reinterpret_cast<const uint4*>(cols + (size_t)(row0 + r0 + rr) * o.ld);
+#pragma unroll
+            for (int j = 0; j < PJ; j++) {
+                const int p = lane + WARP * j;
+                v[rr][j] = r0 + rr < rows && p < pieces ? __ldcs(row + p)
+                                                        : make_uint4(0, 0, 0, 0);
+            }
+        }
+        float mine = 0.f;
+#pragma unroll
+        for (int rr = 0; rr < ROWS; rr++) {
+            float d = 0.f;
+#pragma unroll
+            for (int j = 0; j < PJ; j++) d += dot8x(v[rr][j], xs[j]);
+            d = warp_sum(d);
+            if (lane == rr) mine = d;
+        }
+        if (lane < ROWS && r0 + lane < rows) partial[r0 + lane] = mine;
+    }
+}
+
+// After every block's partial: the last KV head's block of this slice of rows sums them.
+__device__ __forceinline__ void reduce_o_slice(OInto o, unsigned rank, unsigned blocks) {
+    __shared__ unsigned last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(o.count + rank, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const int rows = o.hidden / blocks, row0 = rank * rows;
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+        float acc = 0.f;
+        for (int kv = 0; kv < (int)gridDim.x; kv++)
+            acc += __ldcg(o.partial + (size_t)kv * o.hidden + row0 + r);
+        o.y[row0 + r] += acc;
+    }
+    if (threadIdx.x == 0) o.count[rank] = 0;
+}
+
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+template <int G>
+__device__ __forceinline__ void attention_o_cluster(const float* __restrict__ q,
+                                                    const bf16* __restrict__ k_cache,
+                                                    const bf16* __restrict__ v_cache,
+                                                    int len, OInto o, int hd, int cap,
+                                                    float scale) {
+    extern __shared__ float shm[];
+    const int warps = blockDim.x / WARP;
+    const int n = G * hd;
+    // attention_block's values (later the gathered group), this block's partial (values,
+    // then pairs), then the merged values this block computed.
+    float* mine = shm + warps * G * hd + 2 * warps * G;
+    float2* mine_ml = reinterpret_cast<float2*>(mine + G * hd);
+    float* merged = mine + G * hd + 2 * G;
+    attention_block<G, KEYS>(q, k_cache, v_cache, len, mine, hd, mine_ml, 1, hd, cap, scale,
+                             true);
+    cluster_sync();
+    const unsigned rank = cluster_rank(), blocks = gridDim.y;
+    for (int idx = rank * blockDim.x + threadIdx.x; idx < n; idx += blocks * blockDim.x)
+        merged[idx] = cluster_merged(mine, mine_ml, idx, idx / hd, blocks);
+    cluster_sync();
+    float* group = shm;
+    for (int idx = threadIdx.x; idx < n; idx += blockDim.x)
+        group[idx] = cluster_load(cluster_addr(merged + idx, (idx / blockDim.x) % blocks));
+    // Done with the other blocks' shared memory; they may leave once this block has too.
+    cluster_arrive();
+    __syncthreads();
+    switch ((n / 8 + WARP - 1) / WARP) {
+        case 1: project_o_slice<1>(group, o, n, rank, blocks); break;
+        case 2: project_o_slice<2>(group, o, n, rank, blocks); break;
+        case 3: project_o_slice<3>(group, o, n, rank, blocks); break;
+        default: project_o_slice<4>(group, o, n, rank, blocks); break;
+    }
+    reduce_o_slice(o, rank, blocks);
+    cluster_wait();
+}
+
+#define ATTENTION_O_CLUSTER(G)                                                                \
+    extern "C" __global__ void shoal_attention_o_cluster_g##G(                                \
+        const float* __restrict__ q, const bf16* __restrict__ k_cache,                        \
+        const bf16* __restrict__ v_cache, const int* __restrict__ pos_ptr, OInto o, int hd,   \
+        int cap, float scale, int prefetch) {                                                 \
+        prefetch_cache(k_cache, v_cache, pos_ptr, hd, cap, prefetch);                         \
+        begin_step();                                                                         \
+        prefetch_o_rows(o, G * hd, cluster_rank(), gridDim.y);                                \
+        attention_o_cluster<G>(q, k_cache, v_cache, *pos_ptr + 1, o, hd, cap, scale);         \
+    }
+ATTENTION_O_CLUSTER(1)
+ATTENTION_O_CLUSTER(2)
+ATTENTION_O_CLUSTER(3)
+ATTENTION_O_CLUSTER(4)
+ATTENTION_O_CLUSTER(5)
+ATTENTION_O_CLUSTER(6)
+ATTENTION_O_CLUSTER(7)
+ATTENTION_O_CLUSTER(8)
+#undef ATTENTION_O_CLUSTER
 
 // shoal_attention for a batch of decode rows: block (kv head, split, token); token b's
 // queries are the first heads of its row of `qkv`, its partials a slice of their own.
@@ -1262,4 +1484,71 @@ extern "C" __global__ void shoal_attn_merge_batch(const float* __restrict__ part
     const int b = blockIdx.y;
     merge_head(part_acc + (size_t)b * nh * splits * hd, part_ml + (size_t)b * nh * splits,
                pos[b] + 1, out + (size_t)b * nh * hd, nullptr, nullptr, splits, hd);
+}
+
+// ---------------------------------------------------------------------------------------
+// The arg-max of each row of logits (`n` f32 values a row, rows `stride` apart; block b
+// takes row b): the first index on ties, as the host's `sampling::argmax`; NaN never wins.
+// One id a row comes back. candle's generic reduction walked a 128k vocabulary with one
+// dependent load at a time in one block and copied its shape to the device first, each a
+// greedy token's host round trip; here each thread has 8 16-byte loads in flight.
+#define ARGMAX_UNROLL 8
+
+__device__ __forceinline__ void keep_better(float* v, int* i, float ov, int oi) {
+    if (ov > *v || (ov == *v && oi < *i)) {
+        *v = ov;
+        *i = oi;
+    }
+}
+
+__device__ __forceinline__ void warp_argmax(float* v, int* i) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, *v, o);
+        const int oi = __shfl_down_sync(0xffffffffu, *i, o);
+        keep_better(v, i, ov, oi);
+    }
+}
+
+extern "C" __global__ void shoal_argmax(const float* __restrict__ x, int n, long long stride,
+                                        unsigned int* __restrict__ out) {
+    const float* row = x + (size_t)blockIdx.x * stride;
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    const int n4 = reinterpret_cast<uintptr_t>(row) % 16 == 0 ? n / 4 : 0;
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    for (int base = threadIdx.x; base < n4; base += ARGMAX_UNROLL * blockDim.x) {
+        float4 f[ARGMAX_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ARGMAX_UNROLL; u++) {
+            const int j = base + u * blockDim.x;
+            if (j < n4) f[u] = __ldg(r4 + j);
+        }
+#pragma unroll
+        for (int u = 0; u < ARGMAX_UNROLL; u++) {
+            const int j = base + u * blockDim.x;
+            if (j < n4) {
+                keep_better(&v, &i, f[u].x, 4 * j);
+                keep_better(&v, &i, f[u].y, 4 * j + 1);
+                keep_better(&v, &i, f[u].z, 4 * j + 2);
+                keep_better(&v, &i, f[u].w, 4 * j + 3);
+            }
+        }
+    }
+    for (int j = 4 * n4 + threadIdx.x; j < n; j += blockDim.x) keep_better(&v, &i, row[j], j);
+    warp_argmax(&v, &i);
+    __shared__ float best_v[WARP];
+    __shared__ int best_i[WARP];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (lane == 0) {
+        best_v[warp] = v;
+        best_i[warp] = i;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    const bool held = lane < (int)(blockDim.x / WARP);
+    v = held ? best_v[lane] : -INFINITY;
+    i = held ? best_i[lane] : 0x7fffffff;
+    warp_argmax(&v, &i);
+    if (lane == 0) out[blockIdx.x] = i == 0x7fffffff ? 0u : (unsigned int)i;
 }

@@ -30,18 +30,22 @@ use crate::{KvCache, ModelError, QLinear, Result, RopeStyle};
 
 use super::{GpuDecode, Model, RmsNorm};
 
+mod argmax;
 mod batch;
 mod kernels;
+mod variants;
 mod weights;
 
+pub(crate) use argmax::argmax_rows;
 use batch::BatchBufs;
 pub(super) use kernels::Arg;
 use kernels::{
-    ATTN_WARPS, Kernels, MATVEC_WARPS, NORM_MAX, QSegments, RopeInto, Segments,
-    attention_cluster_blocks, attention_cluster_shared, attention_shared, attention_splits, cfg,
-    cluster_attr, norm_threads, split_for,
+    Kernels, NORM_MAX, OInto, QSegments, RopeInto, Segments, attention_cluster_blocks,
+    attention_cluster_shared, attention_o_cluster_shared, attention_shared, attention_splits, cfg,
+    cluster_attr, matvec_cfg, norm_threads, split_for,
 };
 
+use variants::{Stage, Variants};
 use weights::{Linear, linear, norm_ptr, tensor_ptr};
 
 /// Graphs kept (one per KV cache the model decoded into lately).
@@ -78,6 +82,10 @@ struct Buffers {
     xd: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// The output projection's partials a KV head (where the attention kernel does it),
+    /// and a counter a slice of its rows.
+    o_partial: CudaSlice<f32>,
+    o_count: CudaSlice<u32>,
     pos: CudaSlice<i32>,
     inv_freq: CudaSlice<f32>,
     logits: Tensor,
@@ -96,6 +104,8 @@ struct Ptrs {
     xd: u64,
     part_acc: u64,
     part_ml: u64,
+    o_partial: u64,
+    o_count: u64,
     pos: u64,
     inv_freq: u64,
     logits: u64,
@@ -116,6 +126,8 @@ impl Ptrs {
             xd: p(&b.xd, stream),
             part_acc: p(&b.part_acc, stream),
             part_ml: p(&b.part_ml, stream),
+            o_partial: p(&b.o_partial, stream),
+            o_count: p(&b.o_count, stream),
             pos: p(&b.pos, stream),
             inv_freq: p(&b.inv_freq, stream),
             logits: tensor_ptr(&b.logits, stream)?,
@@ -150,24 +162,14 @@ pub(crate) struct DecodePlan {
     /// the longest cache it serves.
     cluster: u32,
     cluster_max_len: i32,
+    /// The cluster attention kernel can do the output projection (the variant asks for it
+    /// and the GPU schedules its clusters); a layer's bf16 projection without bias then is.
+    fuse_o: bool,
     eps: f32,
     interleaved: i32,
-    /// Warps per mat-vec row for every matrix (`SHOAL_GPU_SPLIT=1|2|4`), instead of the
-    /// rule by row count: for measuring the rule.
-    split: Option<i32>,
     graphs: Vec<(CacheKey, CudaGraph)>,
-    /// Launch a step's kernels after its first as programmatic dependents of the one
-    /// ahead (`decode.cu`'s `begin_step`); `SHOAL_GPU_PDL=0` turns it off, to compare.
-    pdl: bool,
-    /// The q/k/v projection rotates and appends its rows itself where it can
-    /// (`rope_in_projection`); `SHOAL_GPU_ROPE=apart` launches `shoal_rope_append`, to compare.
-    fused_rope: bool,
-    /// Dense mat-vecs whose segments all have even rows take two rows a team
-    /// (`shoal_matvec2_bf16`); `SHOAL_GPU_PAIRS=0` keeps one, to compare.
-    pairs: bool,
-    /// Warps a block of one token's attention kernel: ATTN_WARPS unless
-    /// `SHOAL_GPU_ATTN_WARPS` says 1..=16 (to compare).
-    attn_warps: u32,
+    /// The environment's variants of the step (`variants.rs`), to compare designs.
+    var: Variants,
     /// Inside `record`: whether the next launch follows one of the step's own kernels
     /// (`None` outside a step: the batched path's kernels follow candle's).
     chained: Cell<Option<bool>>,
@@ -280,11 +282,8 @@ impl DecodePlan {
             linear(&head.output, s, &mut keep).ok_or_else(|| unsupported("output"))?;
         let alloc_err = |e: candle_core::cuda_backend::cudarc::driver::DriverError| e.to_string();
         let kernels = Kernels::load(device, nh / nkv).map_err(|e| e.to_string())?;
-        let attn_warps = std::env::var("SHOAL_GPU_ATTN_WARPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n| (1..=16).contains(n))
-            .unwrap_or(ATTN_WARPS);
+        let var = Variants::from_env();
+        let attn_warps = var.attn_warps;
         let splits = attention_splits(
             &kernels.attention,
             &stream,
@@ -308,6 +307,16 @@ impl DecodePlan {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(cluster as i32 * 64);
+        let group = (nh / nkv) as i32;
+        let fuse_o = var.fuse_o
+            && cluster > 0
+            && c.hidden_size.is_multiple_of(cluster as usize)
+            && attention_cluster_blocks(
+                &kernels.attention_o_cluster,
+                &stream,
+                attn_warps,
+                attention_o_cluster_shared(attn_warps, group, hd as i32),
+            ) == cluster;
         let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / hd as f32))
@@ -328,6 +337,8 @@ impl DecodePlan {
                 .map_err(alloc_err)?,
             part_acc: stream.alloc_zeros(nh * splits * hd).map_err(alloc_err)?,
             part_ml: stream.alloc_zeros(2 * nh * splits).map_err(alloc_err)?,
+            o_partial: stream.alloc_zeros(nkv * c.hidden_size).map_err(alloc_err)?,
+            o_count: stream.alloc_zeros(16).map_err(alloc_err)?,
             pos: stream.alloc_zeros(1).map_err(alloc_err)?,
             inv_freq: inv,
             logits,
@@ -349,17 +360,11 @@ impl DecodePlan {
             splits: splits as u32,
             cluster,
             cluster_max_len,
+            fuse_o,
             eps: c.rms_eps,
             interleaved: i32::from(c.rope_style == RopeStyle::Interleaved),
-            split: std::env::var("SHOAL_GPU_SPLIT")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .filter(|n| [1, 2, 4].contains(n)),
             graphs: Vec::new(),
-            pdl: std::env::var("SHOAL_GPU_PDL").map_or(true, |v| v != "0"),
-            fused_rope: std::env::var("SHOAL_GPU_ROPE").as_deref() != Ok("apart"),
-            pairs: std::env::var("SHOAL_GPU_PAIRS").map_or(true, |v| v != "0"),
-            attn_warps,
+            var,
             chained: Cell::new(None),
             batch: None,
             batch_steps: 0,
@@ -390,7 +395,9 @@ impl DecodePlan {
             .memcpy_htod(&[pos as i32], &mut self.bufs.pos)
             .map_err(gpu_err)?;
         if !graphs {
-            self.record(&cache)?;
+            for _ in 0..self.var.repeat {
+                self.record(&cache)?;
+            }
             return Ok(self.bufs.logits.copy()?);
         }
         let at = match self.graphs.iter().position(|(k, _)| *k == cache) {
@@ -404,7 +411,9 @@ impl DecodePlan {
                 self.graphs.len() - 1
             }
         };
-        self.graphs[at].1.launch().map_err(gpu_err)?;
+        for _ in 0..self.var.repeat {
+            self.graphs[at].1.launch().map_err(gpu_err)?;
+        }
         Ok(self.bufs.logits.copy()?)
     }
 
@@ -449,33 +458,57 @@ impl DecodePlan {
         } = self.at;
         for (i, l) in self.layers.iter().enumerate() {
             let (kc, vc) = (cache.ptrs[2 * i], cache.ptrs[2 * i + 1]);
-            if self.rope_in_projection(l) {
-                self.qkv_rope(l, (kc, vc, cache.capacity))?;
-            } else {
-                self.normed_matvec(&[&l.q, &l.k, &l.v], l.attn_norm, qkv)?;
-                self.rope_append(qkv, l.q_norm, l.k_norm, (kc, vc, cache.capacity))?;
+            let runs = |stage| self.var.runs(stage);
+            if runs(Stage::Qkv) {
+                self.project_qkv(l, (kc, vc, cache.capacity))?;
             }
-            self.attention(qkv, (kc, vc, cache.capacity), attn, l.o.w.is_quant())?;
-            self.matvec(&[&l.o], attn, 0, x, x)?;
+            let fused =
+                runs(Stage::Attention) && runs(Stage::Output) && self.fuses_o(&l.o, cache.capacity);
+            if fused {
+                self.attention_o(qkv, (kc, vc, cache.capacity), &l.o)?;
+            } else if runs(Stage::Attention) {
+                self.attention(qkv, (kc, vc, cache.capacity), attn, &l.o)?;
+            }
+            if runs(Stage::Output) && !fused {
+                self.matvec(Stage::Output, &[&l.o], attn, 0, x, x)?;
+            }
             if l.gate.w.is_quant() {
                 self.rmsnorm(x, l.ffn_norm, h)?;
             }
-            self.gate_up(&l.gate, &l.up, l.ffn_norm, ff)?;
+            if runs(Stage::GateUp) {
+                self.gate_up(&l.gate, &l.up, l.ffn_norm, ff)?;
+            }
             if l.down.w.is_quant() {
                 self.quantize(ff, self.ffn)?;
             }
-            self.matvec(&[&l.down], ff, 0, x, x)?;
+            if runs(Stage::Down) {
+                self.matvec(Stage::Down, &[&l.down], ff, 0, x, x)?;
+            }
         }
-        self.normed_matvec(&[&self.head], self.out_norm, self.at.logits)
+        if !self.var.runs(Stage::Head) {
+            return Ok(());
+        }
+        self.normed_matvec(Stage::Head, &[&self.head], self.out_norm, self.at.logits)
+    }
+
+    /// q/k/v of the normed residual, rotated; q into `qkv`, k and v into the layer's
+    /// `cache` at the step's position.
+    fn project_qkv(&self, l: &Layer, cache: (u64, u64, i32)) -> Result<()> {
+        if self.rope_in_projection(l) {
+            return self.qkv_rope(l, cache);
+        }
+        let qkv = self.at.qkv;
+        self.normed_matvec(Stage::Qkv, &[&l.q, &l.k, &l.v], l.attn_norm, qkv)?;
+        self.rope_append(qkv, l.q_norm, l.k_norm, cache)
     }
 
     /// `y = W norm(x)`: the norm in the mat-vec where W is dense, else before it.
-    fn normed_matvec(&self, ls: &[&Linear], norm: u64, y: u64) -> Result<()> {
+    fn normed_matvec(&self, stage: Stage, ls: &[&Linear], norm: u64, y: u64) -> Result<()> {
         if ls[0].w.is_quant() {
             self.rmsnorm(self.at.x, norm, self.at.h)?;
-            self.matvec(ls, self.at.h, 0, 0, y)
+            self.matvec(stage, ls, self.at.h, 0, 0, y)
         } else {
-            self.matvec(ls, self.at.x, norm, 0, y)
+            self.matvec(stage, ls, self.at.x, norm, 0, y)
         }
     }
 
@@ -492,7 +525,7 @@ impl DecodePlan {
         cluster: Option<u32>,
     ) -> Result<()> {
         let dependent = match self.chained.get() {
-            Some(true) => self.pdl,
+            Some(true) => self.var.pdl,
             Some(false) => {
                 self.chained.set(Some(true));
                 false
@@ -588,7 +621,7 @@ impl DecodePlan {
     /// Whether layer `l`'s q/k/v projection can rotate and append its own rows: bf16
     /// weights and no per-head norms (which need a whole head before rope).
     fn rope_in_projection(&self, l: &Layer) -> bool {
-        self.fused_rope
+        self.var.fused_rope
             && l.q_norm == 0
             && l.k_norm == 0
             && [&l.q, &l.k, &l.v].iter().all(|p| !p.w.is_quant())
@@ -601,8 +634,10 @@ impl DecodePlan {
         let rows: i32 = ls.iter().map(|l| l.rows).sum();
         let k = l.q.k;
         // A team a pair of rows.
-        let split = self.split.unwrap_or_else(|| split_for(rows / 2, k, false));
-        let grid = ((rows / 2) as u32).div_ceil(MATVEC_WARPS / split as u32);
+        let split = self
+            .var
+            .split(Stage::Qkv)
+            .unwrap_or_else(|| split_for(rows / 2, k, false));
         let seg = Segments {
             w: ls.map(|l| l.w.ptr()),
             bias: ls.map(|l| l.bias),
@@ -623,21 +658,28 @@ impl DecodePlan {
         let (x, qkv) = (self.at.x, self.at.qkv);
         self.launch(
             &self.kernels.qkv_rope_bf16,
-            cfg((grid, 1), MATVEC_WARPS * 32, 0),
+            matvec_cfg(rows / 2, split),
             &[&seg, &x, &l.attn_norm, &self.eps, &qkv, &k, &split, &rope],
         )
     }
 
     /// `y = [W0; W1; W2] norm(x) (+ bias) (+ residual)`; a dense `x` is f32 (normed in the
     /// kernel where `norm` is given), a quantized one the 8-bit row in `xq`.
-    fn matvec(&self, ls: &[&Linear], x: u64, norm: u64, residual: u64, y: u64) -> Result<()> {
+    fn matvec(
+        &self,
+        stage: Stage,
+        ls: &[&Linear],
+        x: u64,
+        norm: u64,
+        residual: u64,
+        y: u64,
+    ) -> Result<()> {
         let rows: i32 = ls.iter().map(|l| l.rows).sum();
         let k = ls[0].k;
         let split = self
-            .split
+            .var
+            .split(stage)
             .unwrap_or_else(|| split_for(rows, k, ls[0].w.is_quant()));
-        let grid = (rows as u32).div_ceil(MATVEC_WARPS / split as u32);
-        let block = MATVEC_WARPS * 32;
         let mut w = [0u64; 3];
         let mut bias = [0u64; 3];
         let mut r = [0i32; 3];
@@ -658,23 +700,25 @@ impl DecodePlan {
             let (xq, xd) = (self.at.xq, self.at.xd);
             self.launch(
                 &self.kernels.matvec_quant,
-                cfg((grid, 1), block, 0),
+                matvec_cfg(rows, split),
                 &[&seg, &xq, &xd, &residual, &y, &k, &split],
             )
-        } else if self.pairs && r.iter().all(|n| n % 2 == 0) {
+        } else if self.var.pairs && r.iter().all(|n| n % 2 == 0) {
             let seg = Segments { w, bias, rows: r };
-            let split = self.split.unwrap_or_else(|| split_for(rows / 2, k, false));
-            let grid = ((rows / 2) as u32).div_ceil(MATVEC_WARPS / split as u32);
+            let split = self
+                .var
+                .split(stage)
+                .unwrap_or_else(|| split_for(rows / 2, k, false));
             self.launch(
                 &self.kernels.matvec2_bf16,
-                cfg((grid, 1), block, 0),
+                matvec_cfg(rows / 2, split),
                 &[&seg, &x, &norm, &self.eps, &residual, &y, &k, &split],
             )
         } else {
             let seg = Segments { w, bias, rows: r };
             self.launch(
                 &self.kernels.matvec_bf16,
-                cfg((grid, 1), block, 0),
+                matvec_cfg(rows, split),
                 &[&seg, &x, &norm, &self.eps, &residual, &y, &k, &split],
             )
         }
@@ -684,23 +728,22 @@ impl DecodePlan {
     fn gate_up(&self, gate: &Linear, up: &Linear, norm: u64, y: u64) -> Result<()> {
         let (rows, k) = (gate.rows, gate.k);
         let split = self
-            .split
+            .var
+            .split(Stage::GateUp)
             .unwrap_or_else(|| split_for(rows, k, gate.w.is_quant()));
-        let grid = (rows as u32).div_ceil(MATVEC_WARPS / split as u32);
-        let block = MATVEC_WARPS * 32;
         if gate.w.is_quant() {
             let (xq, xd) = (self.at.xq, self.at.xd);
             let (g, u, kg, ku) = (gate.w.ptr(), up.w.ptr(), gate.w.kind(), up.w.kind());
             self.launch(
                 &self.kernels.gate_up_quant,
-                cfg((grid, 1), block, 0),
+                matvec_cfg(rows, split),
                 &[&g, &u, &kg, &ku, &xq, &xd, &y, &rows, &k, &split],
             )
         } else {
             let (g, u, x) = (gate.w.ptr(), up.w.ptr(), self.at.x);
             self.launch(
                 &self.kernels.gate_up_bf16,
-                cfg((grid, 1), block, 0),
+                matvec_cfg(rows, split),
                 &[&g, &u, &x, &norm, &self.eps, &y, &rows, &k, &split],
             )
         }
@@ -739,11 +782,69 @@ impl DecodePlan {
     }
 
     /// Attention of the rotated queries in `q` over the cache into `out` (and into the
-    /// 8-bit row where the output projection is quantized).
-    fn attention(&self, q: u64, cache: (u64, u64, i32), out: u64, quantize: bool) -> Result<()> {
+    /// 8-bit row where the output projection `o` is quantized), asking L2 for `o`'s
+    /// weights meanwhile.
+    /// Whether the attention of a cache of `capacity` positions does the output
+    /// projection `o` itself (`attention_o`).
+    fn fuses_o(&self, o: &Linear, capacity: i32) -> bool {
+        self.fuse_o
+            && capacity <= self.cluster_max_len
+            && !o.w.is_quant()
+            && o.bias == 0
+            && o.rows == self.hidden
+    }
+
+    /// Attention of the query heads in `q` over the layer's cache, then the output
+    /// projection `o` of the result added to the residual stream, as one kernel of
+    /// clusters (`decode.cu`'s `shoal_attention_o_cluster`).
+    fn attention_o(&self, q: u64, cache: (u64, u64, i32), o: &Linear) -> Result<()> {
         let (kc, vc, cap) = cache;
         let group = self.nh / self.nkv;
         let scale = 1.0 / (self.hd as f32).sqrt();
+        let prefetch = i32::from(self.var.attn_prefetch);
+        let into = OInto {
+            w: o.w.ptr(),
+            partial: self.at.o_partial,
+            count: self.at.o_count,
+            y: self.at.x,
+            hidden: self.hidden,
+            ld: o.k,
+        };
+        let shared = attention_o_cluster_shared(self.var.attn_warps, group, self.hd);
+        let grid = cfg(
+            (self.nkv as u32, self.cluster),
+            self.var.attn_warps * 32,
+            shared,
+        );
+        self.launch_with(
+            &self.kernels.attention_o_cluster,
+            grid,
+            &[
+                &q,
+                &kc,
+                &vc,
+                &self.at.pos,
+                &into,
+                &self.hd,
+                &cap,
+                &scale,
+                &prefetch,
+            ],
+            Some(self.cluster),
+        )
+    }
+
+    fn attention(&self, q: u64, cache: (u64, u64, i32), out: u64, o: &Linear) -> Result<()> {
+        let quantize = o.w.is_quant();
+        let (next, next_bytes) = if self.var.prefetch_next && self.var.runs(Stage::Output) {
+            o.span()
+        } else {
+            (0, 0)
+        };
+        let (kc, vc, cap) = cache;
+        let group = self.nh / self.nkv;
+        let scale = 1.0 / (self.hd as f32).sqrt();
+        let prefetch = i32::from(self.var.attn_prefetch);
         let Ptrs {
             part_acc,
             part_ml,
@@ -756,25 +857,55 @@ impl DecodePlan {
             (0, 0)
         };
         if self.cluster > 0 && cap <= self.cluster_max_len {
-            let shared = attention_cluster_shared(self.attn_warps, group, self.hd);
+            let shared = attention_cluster_shared(self.var.attn_warps, group, self.hd);
             let grid = cfg(
                 (self.nkv as u32, self.cluster),
-                self.attn_warps * 32,
+                self.var.attn_warps * 32,
                 shared,
             );
             return self.launch_with(
                 &self.kernels.attention_cluster,
                 grid,
-                &[&q, &kc, &vc, &pos, &out, &xq, &xd, &self.hd, &cap, &scale],
+                &[
+                    &q,
+                    &kc,
+                    &vc,
+                    &pos,
+                    &out,
+                    &xq,
+                    &xd,
+                    &self.hd,
+                    &cap,
+                    &scale,
+                    &prefetch,
+                    &next,
+                    &next_bytes,
+                ],
                 Some(self.cluster),
             );
         }
-        let shared = attention_shared(self.attn_warps, group, self.hd);
+        let shared = attention_shared(self.var.attn_warps, group, self.hd);
         self.launch(
             &self.kernels.attention,
-            cfg((self.nkv as u32, self.splits), self.attn_warps * 32, shared),
+            cfg(
+                (self.nkv as u32, self.splits),
+                self.var.attn_warps * 32,
+                shared,
+            ),
             &[
-                &q, &kc, &vc, &pos, &part_acc, &part_ml, &group, &self.hd, &cap, &scale,
+                &q,
+                &kc,
+                &vc,
+                &pos,
+                &part_acc,
+                &part_ml,
+                &group,
+                &self.hd,
+                &cap,
+                &scale,
+                &prefetch,
+                &next,
+                &next_bytes,
             ],
         )?;
         let splits = self.splits as i32;

@@ -7,7 +7,8 @@
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 use candle_core::{DType, Tensor};
 
-use super::{ATTN_WARPS, DecodePlan, PlanState, attention_shared, cfg, gpu_err, tensor_ptr};
+use super::kernels::ATTN_WARPS;
+use super::{DecodePlan, PlanState, attention_shared, cfg, gpu_err, tensor_ptr};
 use crate::Result;
 use crate::transformer::{BatchPart, Model};
 

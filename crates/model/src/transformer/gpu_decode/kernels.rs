@@ -38,6 +38,19 @@ pub(super) struct QSegments {
 unsafe impl DeviceRepr for Segments {}
 unsafe impl DeviceRepr for QSegments {}
 unsafe impl DeviceRepr for RopeInto {}
+unsafe impl DeviceRepr for OInto {}
+
+/// The output projection done by the cluster attention kernel (`decode.cu`'s `OInto`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(super) struct OInto {
+    pub(super) w: u64,
+    pub(super) partial: u64,
+    pub(super) count: u64,
+    pub(super) y: u64,
+    pub(super) hidden: i32,
+    pub(super) ld: i32,
+}
 
 /// Rope and the KV append done by the q/k/v projection (`decode.cu`'s `RopeInto`).
 #[repr(C)]
@@ -69,6 +82,8 @@ pub(super) struct Kernels {
     pub(super) attn_merge: CudaFunction,
     /// Attention and its merge in one kernel of thread-block clusters (short contexts).
     pub(super) attention_cluster: CudaFunction,
+    /// `attention_cluster` with the output projection and its residual in it.
+    pub(super) attention_o_cluster: CudaFunction,
     pub(super) rope_append_batch: CudaFunction,
     pub(super) attention_batch: CudaFunction,
     pub(super) attn_merge_batch: CudaFunction,
@@ -112,6 +127,7 @@ impl Kernels {
             attention: f(&attention)?,
             attn_merge: f("shoal_attn_merge")?,
             attention_cluster: f(&format!("shoal_attention_cluster_g{}", group.clamp(1, 8)))?,
+            attention_o_cluster: f(&format!("shoal_attention_o_cluster_g{}", group.clamp(1, 8)))?,
             rope_append_batch: f("shoal_rope_append_batch")?,
             attention_batch: f(&format!("shoal_attention_batch_g{}", group.clamp(1, 8)))?,
             attn_merge_batch: f("shoal_attn_merge_batch")?,
@@ -127,6 +143,14 @@ pub(super) fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
     }
 }
 
+/// A mat-vec's launch: `teams` output rows (or pairs of rows) of `split` warps each,
+/// MATVEC_WARPS a block, or one team a block where a team is wider.
+pub(super) fn matvec_cfg(teams: i32, split: i32) -> LaunchConfig {
+    let warps = MATVEC_WARPS.max(split as u32);
+    let grid = (teams as u32).div_ceil(warps / split as u32);
+    cfg((grid, 1), warps * 32, 0)
+}
+
 /// Bytes of shared memory the attention kernel's block of `warps` takes (its warps'
 /// partial sums for the group's heads, then their maxima and totals).
 pub(super) fn attention_shared(warps: u32, group: i32, hd: i32) -> u32 {
@@ -138,6 +162,12 @@ pub(super) fn attention_shared(warps: u32, group: i32, hd: i32) -> u32 {
 /// kernel's, then the block's merged partial (the group's values, max and sum).
 pub(super) fn attention_cluster_shared(warps: u32, group: i32, hd: i32) -> u32 {
     attention_shared(warps, group, hd) + (4 * (group * hd + 2 * group)) as u32
+}
+
+/// Bytes of shared memory `shoal_attention_o_cluster`'s block takes: the cluster
+/// kernel's, then the group's values the block merged.
+pub(super) fn attention_o_cluster_shared(warps: u32, group: i32, hd: i32) -> u32 {
+    attention_cluster_shared(warps, group, hd) + (4 * group * hd) as u32
 }
 
 /// Splits of the context for the attention kernel (`decode.cu`'s `attn_chunk`: at least

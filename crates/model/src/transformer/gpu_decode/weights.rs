@@ -52,7 +52,7 @@ pub(super) enum Weights {
     Quant {
         ptr: u64,
         kind: i32,
-        _keep: Arc<candle_core::quantized::QTensor>,
+        blocks: Arc<candle_core::quantized::QTensor>,
     },
 }
 
@@ -71,7 +71,7 @@ impl Weights {
                 Some(Self::Quant {
                     ptr: q.device_ptr().ok()? as u64,
                     kind,
-                    _keep: Arc::clone(q),
+                    blocks: Arc::clone(q),
                 })
             }
             _ => None,
@@ -85,6 +85,14 @@ impl Weights {
     pub(super) fn ptr(&self) -> u64 {
         match self {
             Self::Bf16 { ptr, .. } | Self::Quant { ptr, .. } => *ptr,
+        }
+    }
+
+    /// Bytes of the matrix as stored (what a product streams).
+    pub(super) fn bytes(&self, rows: i32, k: i32) -> u64 {
+        match self {
+            Self::Bf16 { .. } => rows as u64 * k as u64 * 2,
+            Self::Quant { blocks, .. } => blocks.storage_size_in_bytes() as u64,
         }
     }
 
@@ -103,6 +111,13 @@ pub(super) struct Linear {
     pub(super) bias: u64,
     pub(super) rows: i32,
     pub(super) k: i32,
+}
+
+impl Linear {
+    /// The weights' address and bytes, for asking L2 for them ahead of their product.
+    pub(super) fn span(&self) -> (u64, u64) {
+        (self.w.ptr(), self.w.bytes(self.rows, self.k))
+    }
 }
 
 pub(super) fn linear(l: &QLinear, stream: &CudaStream, keep: &mut Vec<Tensor>) -> Option<Linear> {
