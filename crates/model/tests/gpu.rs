@@ -6,6 +6,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use shoal_model::synthetic::{SyntheticShape, write_synthetic_gguf};
 use shoal_model::{Architecture, BatchPart, Compute, GgufFile, GpuDecode, LoadSpec, Model};
+use std::path::Path;
 
 fn gpu(dtype: DType) -> Option<Compute> {
     match Compute::parse("cuda:0") {
@@ -442,10 +443,35 @@ fn device_argmax_equals_the_host_first_index_on_ties() {
     }
 }
 
+/// Decodes `shape`'s model (f32 weights written to `dir`, loaded in bf16 on `gpu`) after a
+/// 40-token prompt for 24 tokens through the replayed graph and eagerly, and on the
+/// CPU: asserts replay equals eager and both lie within bf16 tolerance of the CPU.
+fn graph_eager_and_cpu_agree(gpu: &Compute, shape: &SyntheticShape, dir: &Path, what: &str) {
+    let path = dir.join(format!("{what}.gguf").replace(' ', "-"));
+    write_synthetic_gguf(shape, GgmlDType::F32, 9, &path).expect("write");
+    let file = GgufFile::open(&path).expect("open");
+    let spec = LoadSpec::full(shape.layers);
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 500).collect();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 29 + 3) % 500).collect();
+    let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
+    let want = decode_logits(&cpu, &prompt, &tokens);
+    let load = |mode: GpuDecode| {
+        let mut m = Model::load_on(&file, spec.clone(), 256, gpu).expect("gpu");
+        m.set_gpu_decode(mode);
+        m
+    };
+    let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, &tokens);
+    let eager = decode_logits(&load(GpuDecode::Eager), &prompt, &tokens);
+    let (err, scale) = max_err(&want, &graphs);
+    eprintln!("{what}: graph vs CPU f32 {err:.2e} (scale {scale:.2})");
+    assert_eq!(graphs, eager, "{what}: replay differs");
+    assert!(err <= 8e-2 * scale, "{what}: off the CPU by {err}");
+    let _ = std::fs::remove_file(&path);
+}
+
 /// The attention kernel that does the output projection reads 16-byte pieces of each
 /// row of W_o a lane; the decode shape's groups are 256 values wide (one piece a lane).
-/// Here groups of 512 (llama-8B's) and 768 (qwen2.5-1.5b's: 6 heads of 128) as well:
-/// graph replay equals eager and both stay within bf16 tolerance of the CPU.
+/// Here groups of 512 (llama-8B's) and 768 (qwen2.5-1.5b's: 6 heads of 128) as well.
 #[test]
 fn output_projection_in_the_attention_kernel_at_wider_groups() {
     let Some(bf16_gpu) = gpu(DType::BF16) else {
@@ -456,7 +482,6 @@ fn output_projection_in_the_attention_kernel_at_wider_groups() {
     unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
     // The fused path is a variant (off by default); the plans below read the switch.
     unsafe { std::env::set_var("SHOAL_GPU_FUSE_O", "1") };
-    let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 500).collect();
     for (hidden, heads, kv_heads) in [(1024, 8, 2), (1536, 12, 2)] {
         let shape = SyntheticShape {
             hidden,
@@ -469,27 +494,32 @@ fn output_projection_in_the_attention_kernel_at_wider_groups() {
             context: 256,
             ..SyntheticShape::tiny(Architecture::Llama)
         };
-        let path = dir.join(format!("wide-{hidden}.gguf"));
-        write_synthetic_gguf(&shape, GgmlDType::F32, 9, &path).expect("write");
-        let file = GgufFile::open(&path).expect("open");
-        let spec = LoadSpec::full(2);
-        let cpu = Model::load(&file, spec.clone(), 256).expect("cpu");
-        let tokens: Vec<u32> = (0..24).map(|i| (i * 29 + 3) % 500).collect();
-        let want = decode_logits(&cpu, &prompt, &tokens);
-        let load = |mode: GpuDecode| {
-            let mut m = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
-            m.set_gpu_decode(mode);
-            m
-        };
-        let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, &tokens);
-        let eager = decode_logits(&load(GpuDecode::Eager), &prompt, &tokens);
-        let (err, scale) = max_err(&want, &graphs);
-        let width = heads / kv_heads * 128;
-        eprintln!("groups of {width}: graph vs CPU f32 {err:.2e} (scale {scale:.2})");
-        assert_eq!(graphs, eager, "groups of {width}: replay differs");
-        assert!(
-            err <= 8e-2 * scale,
-            "groups of {width}: off the CPU by {err}"
-        );
+        let what = format!("groups of {}", heads / kv_heads * 128);
+        graph_eager_and_cpu_agree(&bf16_gpu, &shape, &dir, &what);
     }
+}
+
+/// A matrix of many long dense rows (here the down projection: 4,096 rows of 8,192, as
+/// llama-8B's of 14,336) takes teams of 8 warps a row (`kernels.rs`'s `split_for`); the
+/// small decode shapes never reach that rule.
+#[test]
+fn long_rows_in_teams_of_eight_warps() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-long-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+    let shape = SyntheticShape {
+        hidden: 4096,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        ffn: 8192,
+        vocab: 512,
+        layers: 1,
+        context: 256,
+        ..SyntheticShape::tiny(Architecture::Llama)
+    };
+    graph_eager_and_cpu_agree(&bf16_gpu, &shape, &dir, "rows of 8192");
 }

@@ -221,9 +221,15 @@ pub(super) fn norm_threads(n: i32) -> u32 {
 /// 2.6-3.9 for a warp a row (scripts/gpu-matvec-bench.cu, one H200). Rows shorter than 2,048
 /// keep the rule measured before on the 1.5b shape (1536-2048 rows: 496 -> 552 tok/s
 /// with 4 warps a row below 2,048 rows, 2 below 4,096).
-/// Quantized rows keep that rule at every length.
+/// Quantized rows keep that rule at every length. Long dense rows in a matrix of many
+/// (llama-8B's down projection: 2,048 teams of two rows of 14,336) take 8 warps: inside
+/// the replayed graph on one H100 183.8 tok/s against 181.2 with 4 (`SHOAL_GPU_SPLIT=
+/// down:8`), where 8 for q/k/v or o, or 2 for any of them, was slower; the 1.5b shape's
+/// down (768 teams of rows of 8,960) was slower with 8 (612 against 619), hence the
+/// teams bound.
 pub(super) fn split_for(rows: i32, k: i32, quant: bool) -> i32 {
     match rows {
+        r if k >= 8192 && r >= 2048 && !quant => 8,
         _ if k >= 2048 && !quant => 4,
         r if r < 2048 => 4,
         r if r < 4096 => 2,
@@ -325,4 +331,24 @@ pub(super) fn cluster_attr(blocks: u32) -> cu::CUlaunchAttribute {
     attr.value.clusterDim.y = blocks;
     attr.value.clusterDim.z = 1;
     attr
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warps_a_row_by_the_matrix_shape() {
+        // llama-8B bf16, teams of two rows: down, o, q/k/v, gate/up.
+        assert_eq!(split_for(2048, 14336, false), 8);
+        assert_eq!(split_for(2048, 4096, false), 4);
+        assert_eq!(split_for(3072, 4096, false), 4);
+        assert_eq!(split_for(14336, 4096, false), 4);
+        // qwen2.5-1.5b's down: long rows, few teams.
+        assert_eq!(split_for(768, 8960, false), 4);
+        // Quantized rows by row count alone.
+        assert_eq!(split_for(4096, 14336, true), 1);
+        assert_eq!(split_for(3000, 14336, true), 2);
+        assert_eq!(split_for(1536, 8960, true), 4);
+    }
 }
