@@ -8,8 +8,10 @@
 # Expects gpu-bin/shoal.xz (scripts/build-cuda.sh) and gpu-bin/llama-bench.xz (from
 # ../shared/tools/llamacpp-cuda.sh, copied there), carried; writes $OUT/$NAME.md and
 # $OUT/$NAME.jsonl (NAME default side-by-side). REPEAT (default 3) runs each, medians.
-# With gpu-bin/gpu-test.xz carried too (the three fit the 64 MiB carry), the GPU tests run
-# first and a failure stops the call: $OUT/gpu-test.txt. KEEP=1 leaves each model file in
+# With gpu-bin/gpu-test.xz carried too, the GPU tests run first and a failure stops the
+# call: $OUT/gpu-test.txt. (The three no longer fit the 64 MiB carry beside the working
+# tree, ~71 MB in all on 2026-12-06: run the tests in a call of their own just before,
+# on the same warm machine.) KEEP=1 leaves each model file in
 # /tmp for a later command of the same call (scripts/gpu-check.sh's KEEP=1 finds it).
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}

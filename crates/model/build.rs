@@ -12,6 +12,8 @@ fn main() {
     for name in SOURCES {
         println!("cargo:rerun-if-changed=src/transformer/{name}.cu");
     }
+    // decode.cu includes its parts from decode/ (cargo scans the folder).
+    println!("cargo:rerun-if-changed=src/transformer/decode");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
