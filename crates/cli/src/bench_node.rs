@@ -94,7 +94,7 @@ fn one(o: &Options, client: usize, n: usize) -> Result<Sample> {
         .into();
     let url = format!("http://{}/v1/run", o.node);
     let start = Instant::now();
-    let resp = crate::commands::keyed(agent.post(&url))
+    let resp = crate::client::keyed(agent.post(&url))
         .send_json(body(o, client, n))
         .with_context(|| format!("cannot reach the node at {}", o.node))?;
     if resp.status().as_u16() != 200 {

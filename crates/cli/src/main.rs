@@ -2,7 +2,9 @@
 //! processes (`run`, `bench`, `perplexity`, the hidden `rank`), runs a cluster node
 //! (`node`, `status`, `place`), and manages the model store (`pull`, `models`, `synth`).
 
+mod args;
 mod bench_node;
+mod client;
 mod commands;
 mod load;
 mod node_api;
@@ -12,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-use commands::Cli;
+use args::Cli;
 
 fn main() -> ExitCode {
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {

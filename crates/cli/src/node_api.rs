@@ -21,7 +21,7 @@ pub(crate) fn call(
         .timeout_global(Some(timeout))
         .build()
         .into();
-    use crate::commands::keyed;
+    use crate::client::keyed;
     let resp = match (method, body) {
         ("POST", Some(b)) => keyed(a.post(&url)).send_json(b),
         ("POST", None) => keyed(a.post(&url)).send_empty(),

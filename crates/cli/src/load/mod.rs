@@ -153,7 +153,7 @@ fn one(
     let start = Instant::now();
     let body = p.api.body(model, &p.messages, p.max_tokens);
     let req =
-        crate::commands::keyed(agent(o.stall).post(&url)).header("anthropic-version", "2023-06-01");
+        crate::client::keyed(agent(o.stall).post(&url)).header("anthropic-version", "2023-06-01");
     let resp = match req.send_json(body) {
         Ok(r) => r,
         Err(ureq::Error::Timeout(_)) => {
