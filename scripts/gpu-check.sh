@@ -23,8 +23,9 @@
 #       attention's run of the cache not asked of L2 before its wait; next: the output
 #       projection's weights asked of L2 by the attention (off by default); fuse: the
 #       output projection in the cluster attention kernel (off by default: a mat-vec of
-#       its own); timing only (the answers are wrong): repeat2 replays the graph twice a token (the difference is the
-#       graph's own time), omit-STAGE[,STAGE] leaves qkv, attn, o, gate_up, down or head out
+#       its own); timing only (the answers are wrong): repeat2 replays the graph twice a
+#       token (the difference is the graph's own time), omit-STAGE[,STAGE] leaves qkv,
+#       attn, o, gate_up, down or head out
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
 #       bytes of every kernel of a few decode tokens (launched one by one), summed per
 #       kernel and per token: $OUT/profile-SHAPE-DTYPE.csv and profile.md; PROFILE=prefill:
