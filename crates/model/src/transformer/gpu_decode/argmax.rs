@@ -35,7 +35,9 @@ pub(crate) fn argmax_rows(logits: &Tensor) -> Result<Option<Vec<u32>>> {
     let f = device
         .get_or_load_custom_func("shoal_argmax", MODULE, PTX)?
         .into_cuda_function();
-    let mut ids = stream.alloc_zeros::<u32>(rows).map_err(gpu_err)?;
+    // SAFETY: `shoal_argmax` writes every row's id (block b writes out[b]) before it is
+    // read back; zeroing it first would only add a memset to each greedy token.
+    let mut ids = unsafe { stream.alloc::<u32>(rows) }.map_err(gpu_err)?;
     let x = tensor_ptr(logits, &stream)?;
     let (n, stride) = (n as i32, n as i64);
     let mut builder = stream.launch_builder(&f);
