@@ -151,10 +151,13 @@ impl Engine {
                 }
                 let mut next = tokens[0];
                 let t = Instant::now();
-                for _ in 0..config.tg {
-                    let logits = session.forward(&[next], false)?.squeeze(0)?;
-                    // On a GPU the arg-max runs there: one id comes back, not the row.
-                    next = argmax_rows(&logits)?[0];
+                // On a GPU each step's choice feeds the next there; elsewhere a step at a
+                // time, the arg-max on the GPU where the logits lie (one id back).
+                if session.greedy(next, config.tg, &mut |_| true)?.is_none() {
+                    for _ in 0..config.tg {
+                        let logits = session.forward(&[next], false)?.squeeze(0)?;
+                        next = argmax_rows(&logits)?[0];
+                    }
                 }
                 let secs = t.elapsed().as_secs_f64();
                 if run > 0 {

@@ -103,6 +103,32 @@ impl<'e> Decoder<'e> {
             self.sampler
                 .sample(&mut row, &self.history, self.generated.len())
         };
+        self.accept(next)
+    }
+
+    /// Whether the next token is the logits' arg-max, so that a path that chooses it
+    /// itself ([`crate::Session::greedy`]) may decode this sequence.
+    pub fn is_greedy(&self) -> bool {
+        self.sampler.params().is_greedy()
+    }
+
+    /// Tokens still to come at most: the budget less what was generated.
+    pub fn remaining(&self) -> usize {
+        if self.finished.is_some() {
+            return 0;
+        }
+        self.budget.saturating_sub(self.generated.len())
+    }
+
+    /// Takes `next`, chosen elsewhere (by [`Decoder::step`] or a greedy path), and says
+    /// what text it makes final.
+    pub fn accept(&mut self, next: u32) -> Result<Decoded> {
+        if self.finished.is_some() {
+            return Ok(Decoded {
+                next: None,
+                text: String::new(),
+            });
+        }
         if self.engine.tokenizer().stop_ids().contains(&next) {
             return Ok(self.finish(FinishReason::Stop, String::new()));
         }

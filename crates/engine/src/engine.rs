@@ -215,10 +215,35 @@ impl Engine {
                 text.push_str(&decoder.cancel());
                 break;
             }
-            match step.next {
-                Some(next) => logits = session.forward(&[next], false)?,
-                None => break,
+            let Some(next) = step.next else { break };
+            if decoder.is_greedy() {
+                // The rest where the model chooses each token itself (on a GPU, with no
+                // host round trip between tokens); the sink stops it on any end.
+                let mut failed = None;
+                let n = decoder.remaining();
+                let chained =
+                    session.greedy(next, n, &mut |token| match decoder.accept(token) {
+                        Ok(step) => {
+                            text.push_str(&step.text);
+                            if !step.text.is_empty() && !on_text(&step.text) {
+                                text.push_str(&decoder.cancel());
+                                return false;
+                            }
+                            step.next.is_some()
+                        }
+                        Err(e) => {
+                            failed = Some(e);
+                            false
+                        }
+                    })?;
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                if chained.is_some() {
+                    break;
+                }
             }
+            logits = session.forward(&[next], false)?;
         }
         let finish = decoder.finished().unwrap_or(FinishReason::Length);
         let generated = decoder.generated().to_vec();

@@ -15,6 +15,19 @@ pub trait Session {
     fn append(&mut self, tokens: &[u32]) -> Result<()> {
         self.forward(tokens, false).map(|_| ())
     }
+    /// Greedy decoding of up to `n` tokens after `token`, each handed to `sink` (false
+    /// stops it), on a path that needs no host round trip between tokens
+    /// ([`Model::greedy`]); how many `sink` got, or `None` where there is no such path
+    /// and the caller steps with `forward`.
+    fn greedy(
+        &mut self,
+        token: u32,
+        n: usize,
+        sink: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<usize>> {
+        let _ = (token, n, sink);
+        Ok(None)
+    }
     /// Forgets the sequence: the next `forward` starts at position 0.
     fn reset(&mut self) -> Result<()>;
     /// Positions the sequence holds.
@@ -48,6 +61,15 @@ impl Session for LocalSession<'_> {
         let h = self.model.embed(tokens)?;
         self.model.forward_layers(h, &mut self.cache)?;
         Ok(())
+    }
+
+    fn greedy(
+        &mut self,
+        token: u32,
+        n: usize,
+        sink: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<usize>> {
+        Ok(self.model.greedy(token, &mut self.cache, n, sink)?)
     }
 
     fn reset(&mut self) -> Result<()> {

@@ -601,6 +601,28 @@ impl Model {
         self.head(&h)
     }
 
+    /// Greedy decoding of up to `n` tokens after `token` (appended at the cache's end),
+    /// each handed to `sink` as soon as it is known; `sink` returns false to stop. Returns
+    /// how many it handed over, which is also how many positions the cache gained. On a
+    /// GPU the device feeds each step's choice into the next, so the host's round trip
+    /// between tokens overlaps the next token's work; `None` where there is no such path
+    /// (the caller steps with [`Model::forward`]).
+    pub fn greedy(
+        &self,
+        token: u32,
+        cache: &mut KvCache,
+        n: usize,
+        sink: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<usize>> {
+        #[cfg(feature = "cuda")]
+        return self.gpu_greedy(token, cache, n, sink);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (token, cache, n, sink);
+            Ok(None)
+        }
+    }
+
     /// The architecture this model runs.
     pub fn architecture(&self) -> Architecture {
         self.config.architecture

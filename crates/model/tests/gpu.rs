@@ -523,3 +523,91 @@ fn long_rows_in_teams_of_eight_warps() {
     };
     graph_eager_and_cpu_agree(&bf16_gpu, &shape, &dir, "rows of 8192");
 }
+
+/// The greedy tokens of `model` after `prompt`: the first from the prompt's logits, then
+/// `steps` more, each a step through the host (the arg-max on the device, its id back,
+/// the next step launched).
+fn stepped(model: &Model, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let argmax = |l: &Tensor| {
+        shoal_model::device_argmax(&l.squeeze(0).expect("row"))
+            .expect("argmax")
+            .expect("on a GPU")[0]
+    };
+    let mut cache = model.new_cache();
+    let mut next = argmax(&model.forward(prompt, &mut cache, false).expect("prefill"));
+    let mut out = vec![next];
+    for _ in 0..steps {
+        next = argmax(&model.forward(&[next], &mut cache, false).expect("decode"));
+        out.push(next);
+    }
+    out
+}
+
+/// Chained greedy steps (each step's arg-max feeding the next on the device, the host a
+/// step behind) choose the tokens stepping through the host chooses, on every weight type
+/// the kernels read (the embedding table kept in bf16 for bf16 weights, else f32); a stop
+/// after 10 tokens leaves the cache 10 longer, and decoding on from there goes on as
+/// before although one more step had already run.
+#[test]
+fn chained_greedy_steps_equal_stepping_through_the_host() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    const STEPS: usize = 48;
+    let prompt: Vec<u32> = (0..23).map(|i| (i * 41 + 5) % 500).collect();
+    let mut models = decode_models("chain", 7);
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-chain-bf16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("llama-bf16.gguf");
+    write_synthetic_gguf(
+        &decode_shape(Architecture::Llama),
+        GgmlDType::BF16,
+        7,
+        &path,
+    )
+    .expect("write");
+    let file = GgufFile::open(&path).expect("open");
+    let spec = LoadSpec::full(file.model_config().expect("config").num_layers);
+    models.push((Architecture::Llama, GgmlDType::BF16, file, spec));
+    for (arch, wt, file, spec) in models {
+        let what = format!("{} {wt:?}", arch.name());
+        let model = Model::load_on(&file, spec, 256, &bf16_gpu).expect("gpu");
+        let want = stepped(&model, &prompt, STEPS);
+        let mut cache = model.new_cache();
+        model.forward(&prompt, &mut cache, false).expect("prefill");
+        let mut got = vec![want[0]];
+        let done = model
+            .greedy(want[0], &mut cache, STEPS, &mut |t| {
+                got.push(t);
+                true
+            })
+            .expect("greedy")
+            .expect("a chained path on a GPU");
+        assert_eq!(done, STEPS, "{what}");
+        assert_eq!(got, want, "{what}: chained tokens differ from stepped ones");
+        assert_eq!(cache.len(), prompt.len() + STEPS, "{what}");
+        // Stopped after 10: the 11th step ran ahead, and decoding on must not see it.
+        let mut cache = model.new_cache();
+        model.forward(&prompt, &mut cache, false).expect("prefill");
+        let mut first = Vec::new();
+        let done = model
+            .greedy(want[0], &mut cache, STEPS, &mut |t| {
+                first.push(t);
+                first.len() < 10
+            })
+            .expect("greedy")
+            .expect("chained");
+        assert_eq!((done, &first[..]), (10, &want[1..11]), "{what}: stopped");
+        assert_eq!(cache.len(), prompt.len() + 10, "{what}");
+        let mut rest = Vec::new();
+        model
+            .greedy(want[10], &mut cache, 5, &mut |t| {
+                rest.push(t);
+                true
+            })
+            .expect("greedy on")
+            .expect("chained");
+        assert_eq!(rest, want[11..16], "{what}: decoding on after a stop");
+        eprintln!("{what}: {STEPS} chained greedy tokens equal stepped ones");
+    }
+}

@@ -125,3 +125,21 @@ extern "C" __global__ void shoal_argmax(const float* __restrict__ x, int n, long
     warp_argmax(&v, &i);
     if (lane == 0) out[blockIdx.x] = i == 0x7fffffff ? 0u : (unsigned int)i;
 }
+
+// ---------------------------------------------------------------------------------------
+// Greedy decoding fed by the device (gpu_decode/chain.rs): a chained step's input row is
+// the embedding of the token the step before it wrote (`shoal_argmax` into `token`), and
+// its position one past that step's, so the host can queue the next step before it has
+// read the last token back. `table` holds the vocabulary's rows, bf16 where `bf16_rows`,
+// else f32. Thread 0 moves the position on: nothing in this kernel reads it, and the
+// step's kernels after it read it only once this one has finished (`begin_step`).
+extern "C" __global__ void shoal_embed_token(const void* __restrict__ table, int bf16_rows,
+                                             const unsigned int* __restrict__ token,
+                                             int* __restrict__ pos, float* __restrict__ x,
+                                             int hidden) {
+    const size_t row = (size_t)*token * hidden;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < hidden; i += gridDim.x * blockDim.x)
+        x[i] = bf16_rows ? __bfloat162float(static_cast<const bf16*>(table)[row + i])
+                         : static_cast<const float*>(table)[row + i];
+    if (blockIdx.x == 0 && threadIdx.x == 0) *pos += 1;
+}

@@ -32,6 +32,7 @@ use super::{GpuDecode, Model, RmsNorm};
 
 mod argmax;
 mod batch;
+mod chain;
 mod kernels;
 mod launches;
 mod variants;
@@ -176,6 +177,11 @@ pub(crate) struct DecodePlan {
     batch: Option<BatchBufs>,
     /// Batched steps run on these kernels (tests check the path was taken).
     batch_steps: usize,
+    vocab: i32,
+    /// Greedy decoding fed by the device (`chain.rs`), once asked for; whether building
+    /// it failed (the path then steps a token at a time).
+    chain: Option<chain::Chain>,
+    chain_failed: bool,
     _keep: Vec<Tensor>,
 }
 
@@ -368,6 +374,9 @@ impl DecodePlan {
             chained: Cell::new(None),
             batch: None,
             batch_steps: 0,
+            vocab: c.vocab_size as i32,
+            chain: None,
+            chain_failed: false,
             _keep: keep,
         })
     }
@@ -381,13 +390,7 @@ impl DecodePlan {
         layers: &[(Tensor, Tensor)],
         graphs: bool,
     ) -> Result<Tensor> {
-        let cache = CacheKey {
-            ptrs: layers
-                .iter()
-                .flat_map(|(k, v)| [tensor_ptr(k, &self.stream), tensor_ptr(v, &self.stream)])
-                .collect::<Result<_>>()?,
-            capacity: layers.first().map_or(Ok(0), |(k, _)| k.dim(1))? as i32,
-        };
+        let cache = self.cache_key(layers)?;
         self.stream
             .memcpy_htod(x, &mut self.bufs.x)
             .map_err(gpu_err)?;
@@ -403,7 +406,7 @@ impl DecodePlan {
         let at = match self.graphs.iter().position(|(k, _)| *k == cache) {
             Some(i) => i,
             None => {
-                let graph = self.capture(&cache)?;
+                let graph = self.capture_with(|| self.record(&cache))?;
                 if self.graphs.len() == GRAPHS_KEPT {
                     self.graphs.remove(0);
                 }
@@ -417,11 +420,23 @@ impl DecodePlan {
         Ok(self.bufs.logits.copy()?)
     }
 
-    fn capture(&self, cache: &CacheKey) -> Result<CudaGraph> {
+    /// The layers' caches as a graph's key.
+    fn cache_key(&self, layers: &[(Tensor, Tensor)]) -> Result<CacheKey> {
+        Ok(CacheKey {
+            ptrs: layers
+                .iter()
+                .flat_map(|(k, v)| [tensor_ptr(k, &self.stream), tensor_ptr(v, &self.stream)])
+                .collect::<Result<_>>()?,
+            capacity: layers.first().map_or(Ok(0), |(k, _)| k.dim(1))? as i32,
+        })
+    }
+
+    /// The launches `record` makes, captured as a graph.
+    fn capture_with(&self, record: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .map_err(gpu_err)?;
-        let recorded = self.record(cache);
+        let recorded = record();
         let graph = self
             .stream
             .end_capture(CUgraphInstantiate_flags(0))
@@ -650,5 +665,73 @@ impl Model {
         let logits = plan.step(&row, pos, &layers, self.gpu_decode == GpuDecode::Graphs)?;
         cache.advance(1);
         Ok(Some(logits))
+    }
+
+    /// [`Model::greedy`] on the GPU decode path's chained steps (`chain.rs`); `None`
+    /// where they do not apply (no graphs, a model the path does not cover, a table that
+    /// did not fit).
+    pub(super) fn gpu_greedy(
+        &self,
+        token: u32,
+        cache: &mut KvCache,
+        n: usize,
+        sink: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Option<usize>> {
+        if self.compute.device.is_cpu() || self.gpu_decode != GpuDecode::Graphs {
+            return Ok(None);
+        }
+        let pos = cache.len();
+        if n == 0 {
+            return Ok(Some(0));
+        }
+        if pos + n > self.max_len {
+            return Err(ModelError::ContextFull {
+                positions: pos + n,
+                context: self.max_len,
+            });
+        }
+        if token as usize >= self.config.vocab_size {
+            return Err(ModelError::Invalid(format!(
+                "token id {token} is outside the vocabulary of {}",
+                self.config.vocab_size
+            )));
+        }
+        let Some(mut state) = self.gpu_plan()? else {
+            return Ok(None);
+        };
+        let PlanState::Ready(plan) = &mut *state else {
+            return Ok(None);
+        };
+        // Replaying a step's graph more than once is a timing variant of stepping.
+        if !plan.var.chain || plan.var.repeat != 1 {
+            return Ok(None);
+        }
+        let rows = |tokens: &[u32]| -> Result<Vec<f32>> {
+            Ok(self.embed_host(tokens)?.flatten_all()?.to_vec1::<f32>()?)
+        };
+        if !plan.chain_ready(&self.compute.device, self.config.vocab_size, &rows) {
+            return Ok(None);
+        }
+        let c = &self.config;
+        // A run of chained steps a cache capacity, the cache grown as stepping grows it
+        // (by doubling): the same graphs and kernels (the attention's is chosen by the
+        // capacity) as a step at a time, not the capacity of the whole answer at once.
+        let (mut token, mut done, mut going) = (token, 0, true);
+        while done < n && going {
+            let pos = cache.len();
+            let layers = cache.decode_layers(c.num_kv_heads, c.head_dim, pos + 1)?;
+            let capacity = layers.first().map_or(Ok(0), |(k, _)| k.dim(1))?;
+            let run = (n - done).min(capacity - pos);
+            let mut last = token;
+            let got = plan.greedy(token, pos, &layers, run, &mut |t| {
+                last = t;
+                going = sink(t);
+                going
+            })?;
+            cache.advance(got);
+            done += got;
+            token = last;
+        }
+        Ok(Some(done))
     }
 }

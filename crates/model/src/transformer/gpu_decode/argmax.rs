@@ -12,7 +12,8 @@ use super::gpu_err;
 use super::kernels::{MODULE, PTX, cfg};
 use super::weights::tensor_ptr;
 
-const THREADS: u32 = 1024;
+/// Threads of `shoal_argmax`'s one block a row.
+pub(super) const THREADS: u32 = 1024;
 
 /// Each row's arg-max (the first index on ties) of a contiguous f32 tensor of one or two
 /// dimensions on a CUDA device; `None` for any other tensor.

@@ -87,6 +87,9 @@ pub(super) struct Kernels {
     pub(super) rope_append_batch: CudaFunction,
     pub(super) attention_batch: CudaFunction,
     pub(super) attn_merge_batch: CudaFunction,
+    /// A chained greedy step's input: the embedding of the token the step before chose.
+    pub(super) embed_token: CudaFunction,
+    pub(super) argmax: CudaFunction,
 }
 
 impl Kernels {
@@ -98,9 +101,12 @@ impl Kernels {
                 .into_cuda_function())
         };
         // The bf16 mat-vecs with their first weight loads after the wait for the kernel
-        // ahead, not before (`decode.cu`'s `preload`), to compare.
+        // ahead, not before (`decode.cu`'s `preload`), or held to 64 registers a thread
+        // (`_lb`: more blocks an SM), to compare.
         let variant = if std::env::var("SHOAL_GPU_LATE").as_deref() == Ok("1") {
             "_late"
+        } else if std::env::var("SHOAL_GPU_LEAN").as_deref() == Ok("1") {
+            "_lb"
         } else {
             ""
         };
@@ -131,6 +137,8 @@ impl Kernels {
             rope_append_batch: f("shoal_rope_append_batch")?,
             attention_batch: f(&format!("shoal_attention_batch_g{}", group.clamp(1, 8)))?,
             attn_merge_batch: f("shoal_attn_merge_batch")?,
+            embed_token: f("shoal_embed_token")?,
+            argmax: f("shoal_argmax")?,
         })
     }
 }
