@@ -75,3 +75,18 @@ strip -o gpu-bin/gpu-test "$gpu_test"
 strip -o gpu-bin/gpus-test "$gpus_test"
 xz -6 -T0 -f gpu-bin/shoal gpu-bin/gpu-test gpu-bin/gpus-test
 ls -la gpu-bin
+# PACK=1: shoal, gpu-test and llama.cpp's llama-bench (LLAMA_BENCH, by default the one
+# ../shared/tools/llamacpp-cuda.sh left) in one solid archive, gpu-bin/all.tar.xz: ~53 MB
+# against ~61 MB apart, so the GPU tests and the side-by-side fit one call's carry (~5
+# minutes of one core). Carry gpu-bin with all.tar.xz alone in it.
+if [ -n "${PACK:-}" ]; then
+  pack=$(mktemp -d)
+  xz -dc gpu-bin/shoal.xz >"$pack/shoal"
+  xz -dc gpu-bin/gpu-test.xz >"$pack/gpu-test"
+  xz -dc "${LLAMA_BENCH:-$HOME/.cache/llamacpp-cuda/llama-bench.xz}" >"$pack/llama-bench"
+  chmod +x "$pack"/*
+  tar cf - -C "$pack" shoal gpu-test llama-bench |
+    xz -9e --lzma2=preset=9e,dict=256MiB -T1 >gpu-bin/all.tar.xz
+  rm -rf "$pack"
+  ls -la gpu-bin/all.tar.xz
+fi

@@ -50,7 +50,11 @@ what=${1:-all}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+# gpu-bin/all.tar.xz (scripts/build-cuda.sh's PACK=1: the binaries in one solid archive,
+# smaller than apart) is unpacked into /tmp, where `unpack` then finds them.
+[ ! -e gpu-bin/all.tar.xz ] || tar xJf gpu-bin/all.tar.xz -C /tmp
 unpack() { # name
+  [ -e "gpu-bin/$1.xz" ] || { [ -x "/tmp/$1" ] && return; }
   python3 -c "import lzma,sys; open(sys.argv[2],'wb').write(lzma.open(sys.argv[1]).read())" "gpu-bin/$1.xz" "/tmp/$1"
   chmod +x "/tmp/$1"
 }
