@@ -3,6 +3,7 @@
 mod common;
 
 use shoal_engine::{EngineError, FinishReason, GenerateParams, Session};
+use shoal_model::Tensor;
 use shoal_tokenizer::ChatMessage;
 
 #[test]
@@ -186,4 +187,118 @@ fn bench_depth_fills_the_context_before_each_generation_run() {
             "batch {batch}: {err}"
         );
     }
+}
+
+/// A session that decodes greedily in runs, as the GPU's chained steps do (here each
+/// step through the CPU model), counting the steps it ran.
+struct Chained<'m> {
+    inner: shoal_engine::LocalSession<'m>,
+    steps: usize,
+}
+
+impl Session for Chained<'_> {
+    fn forward(&mut self, tokens: &[u32], all_logits: bool) -> shoal_engine::Result<Tensor> {
+        self.inner.forward(tokens, all_logits)
+    }
+
+    fn greedy(
+        &mut self,
+        token: u32,
+        n: usize,
+        sink: &mut dyn FnMut(u32) -> bool,
+    ) -> shoal_engine::Result<Option<usize>> {
+        let mut token = token;
+        for k in 0..n {
+            let row: Vec<f32> = self
+                .inner
+                .forward(&[token], false)?
+                .flatten_all()?
+                .to_vec1()?;
+            self.steps += 1;
+            // The first index of the largest value, as the decoder's arg-max.
+            let next = row
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
+                    if v > bv { (i, v) } else { (bi, bv) }
+                })
+                .0 as u32;
+            if !sink(next) {
+                return Ok(Some(k + 1));
+            }
+            token = next;
+        }
+        Ok(Some(n))
+    }
+
+    fn reset(&mut self) -> shoal_engine::Result<()> {
+        self.inner.reset()
+    }
+
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+/// `generate` on a session with a greedy path hands the decoding to it after the first
+/// token, and ends exactly as stepping does: at the budget, at a stop string (no step
+/// taken after the sink says stop), at the end of the turn, and when the text callback
+/// cancels.
+#[test]
+fn generation_through_a_greedy_path_ends_as_stepping_does() {
+    let engine = common::smollm2();
+    let prompt = engine
+        .chat_prompt(&[ChatMessage::new(
+            "user",
+            "Count from 1 to 9, separated by commas.",
+        )])
+        .expect("prompt");
+    let cases = [(5, vec![]), (60, vec!["5".to_string()]), (200, vec![])];
+    for (max_tokens, stop) in cases {
+        let params = GenerateParams {
+            max_tokens,
+            stop: stop.clone(),
+            ..Default::default()
+        };
+        let want = engine
+            .generate(&prompt, &params, &mut |_| true)
+            .expect("stepped");
+        let mut chained = Chained {
+            inner: engine.session(),
+            steps: 0,
+        };
+        let got = engine
+            .generate_in(&mut chained, &prompt, &params, &mut |_| true)
+            .expect("chained");
+        let what = format!("max_tokens {max_tokens}, stop {stop:?}");
+        assert_eq!(got.text, want.text, "{what}");
+        assert_eq!(got.tokens, want.tokens, "{what}");
+        assert_eq!(got.finish_reason, want.finish_reason, "{what}");
+        // The first token comes from the prompt's logits; every later one from a step
+        // of the greedy path, and one more where an end-of-turn token (never shown)
+        // ended it.
+        let eot = usize::from(want.finish_reason == FinishReason::Stop && stop.is_empty());
+        assert_eq!(
+            chained.steps,
+            want.tokens.len() - 1 + eot,
+            "{what}: steps run"
+        );
+    }
+    let params = GenerateParams {
+        max_tokens: 100,
+        ..Default::default()
+    };
+    let mut chained = Chained {
+        inner: engine.session(),
+        steps: 0,
+    };
+    let mut pieces = 0;
+    let out = engine
+        .generate_in(&mut chained, &prompt, &params, &mut |_| {
+            pieces += 1;
+            pieces < 3
+        })
+        .expect("cancelled");
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert!(chained.steps < 10, "{} steps after a cancel", chained.steps);
 }
