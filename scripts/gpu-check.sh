@@ -23,9 +23,9 @@
 #       attention's run of the cache not asked of L2 before its wait; next: the output
 #       projection's weights asked of L2 by the attention (off by default); fuse: the
 #       output projection in the cluster attention kernel (off by default: a mat-vec of
-#       its own); nochain: greedy generation a step at a time through the host instead
-#       of each step's arg-max feeding the next on the device; lean: the bf16 mat-vecs
-#       held to 64 registers a thread (8 blocks an SM); timing only (the answers
+#       its own); chain: greedy generation with each step's arg-max feeding the next on
+#       the device (off by default: a step at a time through the host); lean: the bf16
+#       mat-vecs held to 64 registers a thread (8 blocks an SM); timing only (the answers
 #       are wrong): repeat2 replays the graph twice a token (the difference is the graph's
 #       own time), omit-STAGE[,STAGE] leaves qkv, attn, o, gate_up, down or head out
 #   scripts/gpu-check.sh profile [SHAPE:DTYPE...] one GPU: Nsight Compute's time and DRAM
@@ -83,7 +83,7 @@ mode_env() { # mode
     next) env=(SHOAL_GPU_PREFETCH_NEXT=1) ;;
     fuse) env=(SHOAL_GPU_FUSE_O=1) ;;
     repeat2) env=(SHOAL_GPU_REPEAT=2) ;;
-    nochain) env=(SHOAL_GPU_CHAIN=0) ;;
+    chain) env=(SHOAL_GPU_CHAIN=1) ;;
     lean) env=(SHOAL_GPU_LEAN=1) ;;
     omit-*) env=(SHOAL_GPU_OMIT=${1#omit-}) ;;
     *) echo "unknown mode $1" >&2; exit 2 ;;

@@ -151,8 +151,9 @@ impl Engine {
                 }
                 let mut next = tokens[0];
                 let t = Instant::now();
-                // On a GPU each step's choice feeds the next there; elsewhere a step at a
-                // time, the arg-max on the GPU where the logits lie (one id back).
+                // Where the model has a greedy path (a GPU's chained steps) each step's
+                // choice feeds the next there; else a step at a time, the arg-max on the
+                // GPU where the logits lie (one id back).
                 if session.greedy(next, config.tg, &mut |_| true)?.is_none() {
                     for _ in 0..config.tg {
                         let logits = session.forward(&[next], false)?.squeeze(0)?;

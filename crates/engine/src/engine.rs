@@ -217,8 +217,8 @@ impl Engine {
             }
             let Some(next) = step.next else { break };
             if decoder.is_greedy() {
-                // The rest where the model chooses each token itself (on a GPU, with no
-                // host round trip between tokens); the sink stops it on any end.
+                // The rest where the model chooses each token itself (a GPU's chained
+                // steps: no host round trip between tokens); the sink stops it on any end.
                 let mut failed = None;
                 let n = decoder.remaining();
                 let chained =

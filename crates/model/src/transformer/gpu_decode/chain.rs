@@ -10,7 +10,7 @@
 //! device's work on the next. Stopping after token k wastes at most step k + 1, whose key
 //! and value land past the cache's length.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, PinnedHostSlice};
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PinnedHostSlice};
 use candle_core::{DType, Device, Tensor};
 
 use crate::Result;
@@ -33,8 +33,12 @@ pub(super) struct Chain {
     /// The token a step embeds, and the one its arg-max chose.
     token: CudaSlice<u32>,
     token_ptr: u64,
-    /// Two page-locked slots the chosen tokens come back through, one step apart.
+    /// Two page-locked slots the chosen tokens come back through, one step apart, and
+    /// the events that say each copy has landed. The slots' own events cannot: cudarc
+    /// records them only while it manages the streams' synchronization, which candle
+    /// turns off, so their reads would not wait.
     slots: [PinnedHostSlice<u32>; 2],
+    landed: [CudaEvent; 2],
     graphs: Vec<(CacheKey, CudaGraph)>,
 }
 
@@ -70,6 +74,8 @@ impl Chain {
             // Flags 0: cached host memory (the default write-combined memory is slow to read).
             unsafe { stream.context().alloc_pinned_with_flags::<u32>(1, 0) }.map_err(gpu_err)
         };
+        // Waited on by spinning (the host has nothing else to do by then): no wake-up.
+        let event = || stream.context().new_event(None).map_err(gpu_err);
         Ok(Self {
             table: tensor_ptr(&table, stream)?,
             bf16_rows: i32::from(table.dtype() == DType::BF16),
@@ -77,6 +83,7 @@ impl Chain {
             token,
             token_ptr,
             slots: [slot()?, slot()?],
+            landed: [event()?, event()?],
             graphs: Vec::new(),
         })
     }
@@ -169,20 +176,24 @@ impl DecodePlan {
         let Chain {
             token,
             slots,
+            landed,
             graphs,
             ..
         } = chain;
         let graph = &graphs[at].1;
-        let queue = |slot: &mut PinnedHostSlice<u32>| -> Result<()> {
+        let queue = |slot: &mut PinnedHostSlice<u32>, landed: &CudaEvent| -> Result<()> {
             graph.launch().map_err(gpu_err)?;
-            stream.memcpy_dtoh(token, slot).map_err(gpu_err)
+            stream.memcpy_dtoh(token, slot).map_err(gpu_err)?;
+            landed.record(&stream).map_err(gpu_err)
         };
-        queue(&mut slots[0])?;
+        queue(&mut slots[0], &landed[0])?;
         for k in 0..n {
             let ahead = k + 1 < n;
             if ahead {
-                queue(&mut slots[(k + 1) % 2])?;
+                let i = (k + 1) % 2;
+                queue(&mut slots[i], &landed[i])?;
             }
+            landed[k % 2].synchronize().map_err(gpu_err)?;
             let next = slots[k % 2].as_slice().map_err(gpu_err)?[0];
             if !sink(next) {
                 if ahead {
