@@ -208,6 +208,8 @@ impl Engine {
         let mut logits = self.prefill_in(session, prompt, params.prefill_chunk)?;
         let prefill_secs = started.elapsed().as_secs_f64();
         let decode_started = Instant::now();
+        // Until the session says it has no greedy path (then stepping here throughout).
+        let mut try_greedy = decoder.is_greedy();
         while decoder.finished().is_none() {
             let step = decoder.step(&logits)?;
             text.push_str(&step.text);
@@ -216,7 +218,7 @@ impl Engine {
                 break;
             }
             let Some(next) = step.next else { break };
-            if decoder.is_greedy() {
+            if try_greedy {
                 // The rest where the model chooses each token itself (a GPU's chained
                 // steps: no host round trip between tokens); the sink stops it on any end.
                 let mut failed = None;
@@ -242,6 +244,7 @@ impl Engine {
                 if chained.is_some() {
                     break;
                 }
+                try_greedy = false;
             }
             logits = session.forward(&[next], false)?;
         }

@@ -255,21 +255,27 @@ impl Model {
             .to_device(&self.compute.device)?)
     }
 
+    /// Every id of `tokens` within the vocabulary, else the typed error.
+    fn check_vocab(&self, tokens: &[u32]) -> Result<()> {
+        match tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            Some(bad) => Err(ModelError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab_size
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// [`Model::embed`]'s rows on the host, before they go to the compute device.
     fn embed_host(&self, tokens: &[u32]) -> Result<Tensor> {
         let embedding = self
             .embedding
             .as_ref()
             .ok_or_else(|| ModelError::Invalid("this shard does not hold the embedding".into()))?;
-        if let Some(bad) = tokens
-            .iter()
-            .find(|&&t| t as usize >= self.config.vocab_size)
-        {
-            return Err(ModelError::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.config.vocab_size
-            )));
-        }
+        self.check_vocab(tokens)?;
         let rows = match embedding {
             Embedding::Shoal(m) => {
                 let h = self.config.hidden_size;

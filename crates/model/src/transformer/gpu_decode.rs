@@ -690,12 +690,7 @@ impl Model {
                 context: self.max_len,
             });
         }
-        if token as usize >= self.config.vocab_size {
-            return Err(ModelError::Invalid(format!(
-                "token id {token} is outside the vocabulary of {}",
-                self.config.vocab_size
-            )));
-        }
+        self.check_vocab(&[token])?;
         let Some(mut state) = self.gpu_plan()? else {
             return Ok(None);
         };
@@ -709,7 +704,7 @@ impl Model {
         let rows = |tokens: &[u32]| -> Result<Vec<f32>> {
             Ok(self.embed_host(tokens)?.flatten_all()?.to_vec1::<f32>()?)
         };
-        if !plan.chain_ready(&self.compute.device, self.config.vocab_size, &rows) {
+        if !plan.chain_ready(&self.compute.device, &rows) {
             return Ok(None);
         }
         let c = &self.config;

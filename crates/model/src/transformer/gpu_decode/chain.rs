@@ -48,10 +48,9 @@ impl Chain {
     pub(super) fn new(
         plan: &DecodePlan,
         device: &Device,
-        vocab: usize,
         rows: &dyn Fn(&[u32]) -> Result<Vec<f32>>,
     ) -> Result<Self> {
-        let hidden = plan.hidden as usize;
+        let (vocab, hidden) = (plan.vocab as usize, plan.hidden as usize);
         let table = match bf16_table(vocab, hidden, rows)? {
             Some(bits) => Tensor::from_vec(bits, (vocab, hidden), &Device::Cpu)?,
             None => {
@@ -120,11 +119,10 @@ impl DecodePlan {
     pub(super) fn chain_ready(
         &mut self,
         device: &Device,
-        vocab: usize,
         rows: &dyn Fn(&[u32]) -> Result<Vec<f32>>,
     ) -> bool {
         if self.chain.is_none() && !self.chain_failed {
-            match Chain::new(self, device, vocab, rows) {
+            match Chain::new(self, device, rows) {
                 Ok(chain) => self.chain = Some(chain),
                 Err(e) => {
                     tracing::info!(error = %e, "greedy decoding steps one token at a time");
