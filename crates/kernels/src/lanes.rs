@@ -496,10 +496,45 @@ pub(crate) use pass_rows;
 /// The CPU has AVX-512 F/BW and VNNI; `x` was made from activations of `w`'s width;
 /// `out` points at `tokens * w.rows` floats of which no other thread writes `range`.
 unsafe fn rows_wide(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
+    if let Some(tails) = &w.tails {
+        fetch_tails(tails, range.clone());
+    }
     pass_rows!(dot, w, x, range.clone(), out);
     if let (Some(tails), Some(xt)) = (&w.tails, &x.tail) {
         // SAFETY: forwarded (the same features, `out` and rows).
         unsafe { add_tails(w.rows, tails, xt, range, out) }
+    }
+}
+
+/// Prefetches the packs of [`Tails`] that rows `range` take, all of them: the pass over
+/// the rows' whole groups comes first and hides their latency. Their own fetching ahead
+/// runs within the range only, so without this the first packs of every piece of a
+/// matmul came from memory as they were needed (`kernel_bench 49152 576 8 2`, Q8_0: the
+/// last two blocks of each row cost ~3x the other sixteen a block).
+fn fetch_tails(tails: &Tails, range: std::ops::Range<usize>) {
+    if range.is_empty() {
+        return;
+    }
+    let l = &tails.lanes;
+    let packs = range.start / tails.per..(range.end - 1) / tails.per + 1;
+    let q = l.blocks * l.qbytes;
+    for at in (packs.start * q..packs.end * q).step_by(64) {
+        fetch(l.q.as_ptr(), at);
+    }
+    // The scales (u16) and Q5_0's fifth bits: a pack's are a group's worth.
+    let h = l.blocks * l.hpb * 2;
+    if !l.h.is_empty() {
+        for at in (packs.start * h..packs.end * h).step_by(64) {
+            fetch(l.h.as_ptr() as *const u8, at);
+        }
+    }
+    for plane in [&l.bits, &l.bits6] {
+        if !plane.is_empty() {
+            let b = l.groups * 8 * 8;
+            for at in (packs.start * b..packs.end * b).step_by(64) {
+                fetch(plane.as_ptr() as *const u8, at);
+            }
+        }
     }
 }
 

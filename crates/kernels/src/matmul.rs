@@ -455,11 +455,15 @@ pub fn matmul_with(
 /// Rows per piece of a matmul shared out as it goes ([`ThreadPool::run_chunks`]): at least
 /// eight pieces a thread, and none much over ~8k weight blocks times tokens (a few
 /// microseconds), so a thread that loses its core for a while holds up little; a
-/// multiple of four rows (the decode kernels' pass).
+/// multiple of sixteen rows: of the decode kernels' pass (four), and of the rows whose
+/// last blocks share a pack in the lane layout (`lanes::Tails`, 2 to 16), so that no pack
+/// is computed by two threads, each keeping its own rows (with pieces of 60 rows, two
+/// threads took `kernel_bench 49152 576 8 2`, Q8_0, 1.3x a 512-column matrix's time
+/// against 1.15x on one thread).
 fn chunk_rows(pool: &ThreadPool, rows: usize, cols: usize, t: usize) -> usize {
     let work = rows * (cols / 32).max(1) * t.max(1);
     let pieces = (pool.size() * 8).max(work / 8192).max(1);
-    rows.div_ceil(pieces).next_multiple_of(4)
+    rows.div_ceil(pieces).next_multiple_of(16)
 }
 
 /// Each token of `acts` with each block decoded in registers (no unpacked row): rows

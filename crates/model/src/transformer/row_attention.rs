@@ -156,6 +156,73 @@ unsafe fn dot8_avx2(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
     }
 }
 
+/// [`dot8`] of one, two or three queries (`qs`) against the same eight keys, in the first
+/// `qs.len()` rows: each key's chunk loaded once serves them all. Every score is the one
+/// [`dot8`] gives.
+fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
+    let mut out = [[0f32; 8]; 3];
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    // SAFETY: the build targets AVX2 and FMA; `dots_avx2` checks the lengths.
+    unsafe {
+        match qs {
+            [a, b] => {
+                out[..2].copy_from_slice(&dots_avx2([a, b], keys));
+                return out;
+            }
+            [a, b, c] => return dots_avx2([a, b, c], keys),
+            _ => {}
+        }
+    }
+    for (o, q) in out.iter_mut().zip(qs) {
+        *o = dot8(q, keys);
+    }
+    out
+}
+
+/// [`dot8_avx2`] for `Q` queries at once, four keys a pass (the accumulators of three
+/// queries and eight keys would not fit the sixteen registers).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+unsafe fn dots_avx2<const Q: usize>(qs: [&[f32]; Q], keys: [&[f32]; 8]) -> [[f32; 8]; Q] {
+    use std::arch::x86_64::*;
+    let hd = qs[0].len();
+    assert!(hd.is_multiple_of(8) && qs.iter().chain(&keys).all(|r| r.len() == hd));
+    let mut out = [[0f32; 8]; Q];
+    // SAFETY: the lengths are checked; the features are the build's.
+    unsafe {
+        for half in 0..2 {
+            let ks: [*const f32; 4] = std::array::from_fn(|c| keys[4 * half + c].as_ptr());
+            let mut acc = [[_mm256_setzero_ps(); 4]; Q];
+            for c in (0..hd).step_by(8) {
+                let x: [__m256; Q] =
+                    std::array::from_fn(|a| _mm256_loadu_ps(qs[a].as_ptr().add(c)));
+                for (kk, key) in ks.iter().enumerate() {
+                    let y = _mm256_loadu_ps(key.add(c));
+                    for a in 0..Q {
+                        acc[a][kk] = _mm256_fmadd_ps(x[a], y, acc[a][kk]);
+                    }
+                }
+            }
+            // As in `dot8_avx2`: two hadds give each key's half sums, then the halves.
+            for a in 0..Q {
+                let h01 = _mm256_hadd_ps(acc[a][0], acc[a][1]);
+                let h23 = _mm256_hadd_ps(acc[a][2], acc[a][3]);
+                let q = _mm256_hadd_ps(h01, h23);
+                let sum = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps::<1>(q));
+                _mm_storeu_ps(out[a].as_mut_ptr().add(4 * half), sum);
+            }
+        }
+    }
+    out
+}
+
 /// `q · key` by the same arithmetic as [`dot8`] (for a head size that is not a multiple of
 /// eight, every score takes this).
 fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -208,6 +275,91 @@ fn exp_minus(xs: &mut [f32], max: f32) -> f32 {
         sum += *x;
     }
     acc.iter().sum::<f32>() + sum
+}
+
+/// `out[e] += Σ_j probs[j] · values[j][e]` over KV head `kvh`'s first `probs.len()`
+/// values, one fused multiply-add per term in key order (so a row's sum is the same
+/// whatever is computed beside it).
+fn weigh_values(out: &mut [f32], probs: &[f32], v: &View, kvh: usize) {
+    assert!(out.len() == v.dims[2] && probs.len() <= v.dims[1]);
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    if out.len().is_multiple_of(8) {
+        // SAFETY: the build targets AVX2 and FMA; the lengths are checked above and
+        // `View::new` checked that every row lies inside its storage.
+        unsafe { weigh_values_avx2(out, probs, v, kvh) };
+        return;
+    }
+    for (j, &p) in probs.iter().enumerate() {
+        for (acc, x) in out.iter_mut().zip(v.row(kvh, j)) {
+            *acc = p.mul_add(*x, *acc);
+        }
+    }
+}
+
+/// [`weigh_values`] with the sums held in registers, up to 64 values of a row at a time
+/// (the plain loop loaded and stored every sum once per key, and the stores bound it).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+unsafe fn weigh_values_avx2(out: &mut [f32], probs: &[f32], v: &View, kvh: usize) {
+    use std::arch::x86_64::*;
+    /// Values `start..start + 8·N` of the row.
+    unsafe fn piece<const N: usize>(
+        out: &mut [f32],
+        start: usize,
+        probs: &[f32],
+        v: &View,
+        kvh: usize,
+    ) {
+        // SAFETY: the caller's: `start + 8·N ≤ head_dim`, rows `0..probs.len()` exist.
+        unsafe {
+            let mut acc: [__m256; N] =
+                std::array::from_fn(|i| _mm256_loadu_ps(out.as_ptr().add(start + 8 * i)));
+            for (j, &p) in probs.iter().enumerate() {
+                let p = _mm256_set1_ps(p);
+                let row = v.data.as_ptr().add(v.at(kvh, j) + start);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * i)), *a);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(start + 8 * i), *a);
+            }
+        }
+    }
+    let mut start = 0;
+    // SAFETY: each piece ends within the row (`out.len()` is the head size, a multiple
+    // of 8).
+    unsafe {
+        while start < out.len() {
+            let left = (out.len() - start) / 8;
+            let n = match left {
+                8.. => {
+                    piece::<8>(out, start, probs, v, kvh);
+                    8
+                }
+                4..=7 => {
+                    piece::<4>(out, start, probs, v, kvh);
+                    4
+                }
+                2..=3 => {
+                    piece::<2>(out, start, probs, v, kvh);
+                    2
+                }
+                _ => {
+                    piece::<1>(out, start, probs, v, kvh);
+                    1
+                }
+            };
+            start += 8 * n;
+        }
+    }
 }
 
 /// One sequence's attention: the views, its shape, and how its work is cut into units
@@ -303,18 +455,33 @@ impl<'a> Problem<'a> {
             for j0 in (0..longest).step_by(8) {
                 let keys: [&[f32]; 8] =
                     std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
-                for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
-                    if j0 >= seen {
-                        continue;
+                // Queries of the block in twos (threes where their count is odd), each
+                // group's scores against the eight keys from one pass over them.
+                let mut a = 0;
+                while a < queries.len() {
+                    let take = match queries.len() - a {
+                        1 => 1,
+                        3 => 3,
+                        _ => 2,
+                    };
+                    let live = (a..a + take).any(|b| j0 < queries[b].2);
+                    if live {
+                        let got = scores_of(&qrows[a..a + take], keys);
+                        for (b, got) in (a..a + take).zip(got) {
+                            let seen = queries[b].2;
+                            if j0 >= seen {
+                                continue;
+                            }
+                            let end = seen.min(j0 + 8);
+                            for (s, g) in scores[b * longest + j0..b * longest + end]
+                                .iter_mut()
+                                .zip(got)
+                            {
+                                *s = g * scale;
+                            }
+                        }
                     }
-                    let got = dot8(qr, keys);
-                    let end = seen.min(j0 + 8);
-                    for (s, g) in scores[a * longest + j0..a * longest + end]
-                        .iter_mut()
-                        .zip(got)
-                    {
-                        *s = g * scale;
-                    }
+                    a += take;
                 }
             }
         } else {
@@ -334,13 +501,10 @@ impl<'a> Problem<'a> {
             let row = &mut scores[a * longest..a * longest + seen];
             let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
             let inv = 1.0 / exp_minus(row, max);
-            let o = &mut outs[a * hd..(a + 1) * hd];
-            for (j, &s) in row.iter().enumerate() {
-                let p = s * inv;
-                for (acc, x) in o.iter_mut().zip(v.row(kvh, j)) {
-                    *acc = p.mul_add(*x, *acc);
-                }
+            for s in row.iter_mut() {
+                *s *= inv;
             }
+            weigh_values(&mut outs[a * hd..(a + 1) * hd], row, v, kvh);
         }
         for (a, &(h, i, _)) in queries.iter().enumerate() {
             // SAFETY: row `i`, head `h` of the output belongs to this block alone (the
@@ -676,6 +840,51 @@ mod tests {
         for (g, key) in got.iter().zip(&keys) {
             assert_eq!(g.to_bits(), super::dot(&q, key).to_bits());
         }
+    }
+
+    #[test]
+    fn queries_scored_together_score_as_each_alone() {
+        for hd in [8, 64, 128] {
+            let row = |seed: usize| -> Vec<f32> {
+                (0..hd)
+                    .map(|i| ((i * 7 + seed * 13) as f32 * 0.11).cos())
+                    .collect()
+            };
+            let keys: Vec<Vec<f32>> = (0..8).map(row).collect();
+            let keys: [&[f32]; 8] = std::array::from_fn(|c| keys[c].as_slice());
+            let qs: Vec<Vec<f32>> = (100..103).map(row).collect();
+            let qs: Vec<&[f32]> = qs.iter().map(Vec::as_slice).collect();
+            for n in 1..=3 {
+                let got = super::scores_of(&qs[..n], keys);
+                for (g, q) in got.iter().zip(&qs[..n]) {
+                    let alone = super::dot8(q, keys);
+                    assert_eq!(g.map(f32::to_bits), alone.map(f32::to_bits), "{n} of {hd}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn values_weighed_in_registers_equal_the_plain_loop() -> candle_core::Result<()> {
+        // Head sizes of one to eight vectors, one that is not a multiple of eight, over
+        // a strided view (the cache's capacity beyond the keys in use).
+        for hd in [8, 24, 64, 96, 128, 20] {
+            let v = Tensor::randn(0f32, 1.0, (2, 40, hd), &Device::Cpu)?.narrow(1, 3, 30)?;
+            let (storage, layout) = v.storage_and_layout();
+            let view = super::View::new(super::cpu(&storage)?, layout, "v")?;
+            let probs: Vec<f32> = (0..25).map(|j| 1.0 / (j as f32 + 1.5)).collect();
+            let mut got = vec![0f32; hd];
+            super::weigh_values(&mut got, &probs, &view, 1);
+            let mut want = vec![0f32; hd];
+            for (j, &p) in probs.iter().enumerate() {
+                for (acc, x) in want.iter_mut().zip(view.row(1, j)) {
+                    *acc = p.mul_add(*x, *acc);
+                }
+            }
+            let bits = |xs: &[f32]| xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "head size {hd}");
+        }
+        Ok(())
     }
 
     #[test]
