@@ -15,6 +15,9 @@
 //! one KV head are taken in blocks so each key and value read from memory serves them all,
 //! and the output comes out already as `(rows, heads · head_dim)`.
 
+mod arith;
+
+use arith::{dot, exp_minus, scores_of, weigh_values};
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 /// `softmax(q·Kᵀ·scale + causal)·V` for `q` `(heads, t, head_dim)` and `k`, `v`
@@ -85,280 +88,6 @@ impl<'a> View<'a> {
     fn row(&self, i: usize, j: usize) -> &'a [f32] {
         let at = self.at(i, j);
         &self.data[at..at + self.dims[2]]
-    }
-}
-
-/// `q · keys[c]` for eight keys at once (`q.len()` a multiple of 8): per key, eight
-/// lanes of fused multiply-adds over the chunks of 8, then the lanes summed as the tree
-/// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`. A key's score is the same
-/// whichever keys share the call (callers repeat a key to fill the eight).
-fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    {
-        // SAFETY: the build targets AVX2 and FMA; every key holds `q.len()` values.
-        unsafe { dot8_avx2(q, keys) }
-    }
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        let mut out = [0f32; 8];
-        for (o, key) in out.iter_mut().zip(keys) {
-            let mut l = [0f32; 8];
-            for (x, y) in q.chunks_exact(8).zip(key.chunks_exact(8)) {
-                for i in 0..8 {
-                    l[i] = x[i].mul_add(y[i], l[i]);
-                }
-            }
-            *o = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-        }
-        out
-    }
-}
-
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-unsafe fn dot8_avx2(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
-    use std::arch::x86_64::*;
-    assert!(q.len().is_multiple_of(8) && keys.iter().all(|k| k.len() == q.len()));
-    // SAFETY: the lengths are checked; the features are the build's.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for c in (0..q.len()).step_by(8) {
-            let x = _mm256_loadu_ps(q.as_ptr().add(c));
-            for (a, key) in acc.iter_mut().zip(keys) {
-                *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.as_ptr().add(c)), *a);
-            }
-        }
-        // hadd pairs lanes (l0 + l1, l2 + l3 | l4 + l5, l6 + l7) per 128-bit half; twice
-        // gives each key's two half sums, then the halves are added.
-        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-        let h45 = _mm256_hadd_ps(acc[4], acc[5]);
-        let h67 = _mm256_hadd_ps(acc[6], acc[7]);
-        let q0123 = _mm256_hadd_ps(h01, h23);
-        let q4567 = _mm256_hadd_ps(h45, h67);
-        // q0123: [k0 lo, k1 lo, k2 lo, k3 lo | k0 hi, k1 hi, k2 hi, k3 hi].
-        let lo = _mm256_permute2f128_ps::<0x20>(q0123, q4567);
-        let hi = _mm256_permute2f128_ps::<0x31>(q0123, q4567);
-        let mut out = [0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
-        out
-    }
-}
-
-/// [`dot8`] of one, two or three queries (`qs`) against the same eight keys, in the first
-/// `qs.len()` rows: each key's chunk loaded once serves them all. Every score is the one
-/// [`dot8`] gives.
-fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
-    let mut out = [[0f32; 8]; 3];
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    // SAFETY: the build targets AVX2 and FMA; `dots_avx2` checks the lengths.
-    unsafe {
-        match qs {
-            [a, b] => {
-                out[..2].copy_from_slice(&dots_avx2([a, b], keys));
-                return out;
-            }
-            [a, b, c] => return dots_avx2([a, b, c], keys),
-            _ => {}
-        }
-    }
-    for (o, q) in out.iter_mut().zip(qs) {
-        *o = dot8(q, keys);
-    }
-    out
-}
-
-/// [`dot8_avx2`] for `Q` queries at once, four keys a pass (the accumulators of three
-/// queries and eight keys would not fit the sixteen registers).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-unsafe fn dots_avx2<const Q: usize>(qs: [&[f32]; Q], keys: [&[f32]; 8]) -> [[f32; 8]; Q] {
-    use std::arch::x86_64::*;
-    let hd = qs[0].len();
-    assert!(hd.is_multiple_of(8) && qs.iter().chain(&keys).all(|r| r.len() == hd));
-    let mut out = [[0f32; 8]; Q];
-    // SAFETY: the lengths are checked; the features are the build's.
-    unsafe {
-        for half in 0..2 {
-            let ks: [*const f32; 4] = std::array::from_fn(|c| keys[4 * half + c].as_ptr());
-            let mut acc = [[_mm256_setzero_ps(); 4]; Q];
-            for c in (0..hd).step_by(8) {
-                let x: [__m256; Q] =
-                    std::array::from_fn(|a| _mm256_loadu_ps(qs[a].as_ptr().add(c)));
-                for (kk, key) in ks.iter().enumerate() {
-                    let y = _mm256_loadu_ps(key.add(c));
-                    for a in 0..Q {
-                        acc[a][kk] = _mm256_fmadd_ps(x[a], y, acc[a][kk]);
-                    }
-                }
-            }
-            // As in `dot8_avx2`: two hadds give each key's half sums, then the halves.
-            for a in 0..Q {
-                let h01 = _mm256_hadd_ps(acc[a][0], acc[a][1]);
-                let h23 = _mm256_hadd_ps(acc[a][2], acc[a][3]);
-                let q = _mm256_hadd_ps(h01, h23);
-                let sum = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps::<1>(q));
-                _mm_storeu_ps(out[a].as_mut_ptr().add(4 * half), sum);
-            }
-        }
-    }
-    out
-}
-
-/// `q · key` by the same arithmetic as [`dot8`] (for a head size that is not a multiple of
-/// eight, every score takes this).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for l in 0..8 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
-}
-
-/// `x ← e^(x − max)` for every `x`, and their sum: Cephes' single-precision exponential
-/// (relative error about 1e-7) in plain arithmetic the compiler vectorizes, eight lanes
-/// at a time; libm's `expf` one value at a time was most of a step's attention over a
-/// long cache.
-fn exp_minus(xs: &mut [f32], max: f32) -> f32 {
-    fn exp(x: f32) -> f32 {
-        let x = x.clamp(-87.3, 88.7);
-        // x = n·ln 2 + r, |r| ≤ ln 2 / 2; n rounded to nearest by the 1.5·2²³ trick.
-        let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
-        let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-        let p = 1.987_569_1e-4;
-        let p = p * r + 1.398_199_9e-3;
-        let p = p * r + 8.333_452e-3;
-        let p = p * r + 4.166_579_6e-2;
-        let p = p * r + 0.166_666_65;
-        let p = p * r + 0.5;
-        let e = p * r * r + r + 1.0;
-        e * f32::from_bits(((n as i32 + 127) as u32) << 23)
-    }
-    let mut acc = [0f32; 8];
-    let mut chunks = xs.chunks_exact_mut(8);
-    for c in &mut chunks {
-        for (l, x) in c.iter_mut().enumerate() {
-            *x = exp(*x - max);
-            acc[l] += *x;
-        }
-    }
-    let mut sum = 0f32;
-    for x in chunks.into_remainder() {
-        *x = exp(*x - max);
-        sum += *x;
-    }
-    acc.iter().sum::<f32>() + sum
-}
-
-/// `out[e] += Σ_j probs[j] · values[j][e]` over KV head `kvh`'s first `probs.len()`
-/// values, one fused multiply-add per term in key order (so a row's sum is the same
-/// whatever is computed beside it).
-fn weigh_values(out: &mut [f32], probs: &[f32], v: &View, kvh: usize) {
-    assert!(out.len() == v.dims[2] && probs.len() <= v.dims[1]);
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    if out.len().is_multiple_of(8) {
-        // SAFETY: the build targets AVX2 and FMA; the lengths are checked above and
-        // `View::new` checked that every row lies inside its storage.
-        unsafe { weigh_values_avx2(out, probs, v, kvh) };
-        return;
-    }
-    for (j, &p) in probs.iter().enumerate() {
-        for (acc, x) in out.iter_mut().zip(v.row(kvh, j)) {
-            *acc = p.mul_add(*x, *acc);
-        }
-    }
-}
-
-/// [`weigh_values`] with the sums held in registers, up to 64 values of a row at a time
-/// (the plain loop loaded and stored every sum once per key, and the stores bound it).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-unsafe fn weigh_values_avx2(out: &mut [f32], probs: &[f32], v: &View, kvh: usize) {
-    use std::arch::x86_64::*;
-    /// Values `start..start + 8·N` of the row.
-    unsafe fn piece<const N: usize>(
-        out: &mut [f32],
-        start: usize,
-        probs: &[f32],
-        v: &View,
-        kvh: usize,
-    ) {
-        // SAFETY: the caller's: `start + 8·N ≤ head_dim`, rows `0..probs.len()` exist.
-        unsafe {
-            let mut acc: [__m256; N] =
-                std::array::from_fn(|i| _mm256_loadu_ps(out.as_ptr().add(start + 8 * i)));
-            for (j, &p) in probs.iter().enumerate() {
-                let p = _mm256_set1_ps(p);
-                let row = v.data.as_ptr().add(v.at(kvh, j) + start);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * i)), *a);
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(start + 8 * i), *a);
-            }
-        }
-    }
-    let mut start = 0;
-    // SAFETY: each piece ends within the row (`out.len()` is the head size, a multiple
-    // of 8).
-    unsafe {
-        while start < out.len() {
-            let left = (out.len() - start) / 8;
-            let n = match left {
-                8.. => {
-                    piece::<8>(out, start, probs, v, kvh);
-                    8
-                }
-                4..=7 => {
-                    piece::<4>(out, start, probs, v, kvh);
-                    4
-                }
-                2..=3 => {
-                    piece::<2>(out, start, probs, v, kvh);
-                    2
-                }
-                _ => {
-                    piece::<1>(out, start, probs, v, kvh);
-                    1
-                }
-            };
-            start += 8 * n;
-        }
     }
 }
 
@@ -836,7 +565,7 @@ mod tests {
                     .collect()
             })
             .collect();
-        let got = super::dot8(&q, std::array::from_fn(|c| keys[c].as_slice()));
+        let got = super::arith::dot8(&q, std::array::from_fn(|c| keys[c].as_slice()));
         for (g, key) in got.iter().zip(&keys) {
             assert_eq!(g.to_bits(), super::dot(&q, key).to_bits());
         }
@@ -857,7 +586,7 @@ mod tests {
             for n in 1..=3 {
                 let got = super::scores_of(&qs[..n], keys);
                 for (g, q) in got.iter().zip(&qs[..n]) {
-                    let alone = super::dot8(q, keys);
+                    let alone = super::arith::dot8(q, keys);
                     assert_eq!(g.map(f32::to_bits), alone.map(f32::to_bits), "{n} of {hd}");
                 }
             }
