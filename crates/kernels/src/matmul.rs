@@ -456,10 +456,9 @@ pub fn matmul_with(
 /// eight pieces a thread, and none much over ~8k weight blocks times tokens (a few
 /// microseconds), so a thread that loses its core for a while holds up little; a
 /// multiple of sixteen rows: of the decode kernels' pass (four), and of the rows whose
-/// last blocks share a pack in the lane layout (`lanes::Tails`, 2 to 16), so that no pack
-/// is computed by two threads, each keeping its own rows (with pieces of 60 rows, two
-/// threads took `kernel_bench 49152 576 8 2`, Q8_0, 1.3x a 512-column matrix's time
-/// against 1.15x on one thread).
+/// last blocks share a pack in the lane layout (`lanes::Tails`, 2 to 16 rows a pack), so
+/// that no pack is computed by two threads, each keeping its own rows (with pieces of 36
+/// rows, one pack in five of a 576-row matrix was).
 fn chunk_rows(pool: &ThreadPool, rows: usize, cols: usize, t: usize) -> usize {
     let work = rows * (cols / 32).max(1) * t.max(1);
     let pieces = (pool.size() * 8).max(work / 8192).max(1);
