@@ -16,8 +16,8 @@ pub(super) fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
         target_feature = "fma"
     ))]
     {
-        // SAFETY: the build targets AVX2 and FMA; every key holds `q.len()` values.
-        unsafe { dot8_avx2(q, keys) }
+        // SAFETY: the build targets AVX2 and FMA; `dots_avx2` checks the lengths.
+        unsafe { dots_avx2::<1, 8>([q], keys)[0] }
     }
     #[cfg(not(all(
         target_arch = "x86_64",
@@ -39,40 +39,6 @@ pub(super) fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
     }
 }
 
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
-unsafe fn dot8_avx2(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
-    use std::arch::x86_64::*;
-    assert!(q.len().is_multiple_of(8) && keys.iter().all(|k| k.len() == q.len()));
-    // SAFETY: the lengths are checked; the features are the build's.
-    unsafe {
-        let mut acc = [_mm256_setzero_ps(); 8];
-        for c in (0..q.len()).step_by(8) {
-            let x = _mm256_loadu_ps(q.as_ptr().add(c));
-            for (a, key) in acc.iter_mut().zip(keys) {
-                *a = _mm256_fmadd_ps(x, _mm256_loadu_ps(key.as_ptr().add(c)), *a);
-            }
-        }
-        // hadd pairs lanes (l0 + l1, l2 + l3 | l4 + l5, l6 + l7) per 128-bit half; twice
-        // gives each key's two half sums, then the halves are added.
-        let h01 = _mm256_hadd_ps(acc[0], acc[1]);
-        let h23 = _mm256_hadd_ps(acc[2], acc[3]);
-        let h45 = _mm256_hadd_ps(acc[4], acc[5]);
-        let h67 = _mm256_hadd_ps(acc[6], acc[7]);
-        let q0123 = _mm256_hadd_ps(h01, h23);
-        let q4567 = _mm256_hadd_ps(h45, h67);
-        // q0123: [k0 lo, k1 lo, k2 lo, k3 lo | k0 hi, k1 hi, k2 hi, k3 hi].
-        let lo = _mm256_permute2f128_ps::<0x20>(q0123, q4567);
-        let hi = _mm256_permute2f128_ps::<0x31>(q0123, q4567);
-        let mut out = [0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
-        out
-    }
-}
-
 /// [`dot8`] of one, two or three queries (`qs`) against the same eight keys, in the first
 /// `qs.len()` rows: each key's chunk loaded once serves them all. Every score is the one
 /// [`dot8`] gives.
@@ -87,10 +53,10 @@ pub(super) fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
     unsafe {
         match qs {
             [a, b] => {
-                out[..2].copy_from_slice(&dots_avx2([a, b], keys));
+                out[..2].copy_from_slice(&dots_avx2::<2, 4>([a, b], keys));
                 return out;
             }
-            [a, b, c] => return dots_avx2([a, b, c], keys),
+            [a, b, c] => return dots_avx2::<3, 4>([a, b, c], keys),
             _ => {}
         }
     }
@@ -100,23 +66,28 @@ pub(super) fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
     out
 }
 
-/// [`dot8_avx2`] for `Q` queries at once, four keys a pass (the accumulators of three
-/// queries and eight keys would not fit the sixteen registers).
+/// [`dot8`] for `Q` queries at once, `K` keys a pass (8 for one query; 4 for two or
+/// three, whose accumulators for eight keys would not fit the sixteen registers): each
+/// key's chunk loaded once serves every query.
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-unsafe fn dots_avx2<const Q: usize>(qs: [&[f32]; Q], keys: [&[f32]; 8]) -> [[f32; 8]; Q] {
+unsafe fn dots_avx2<const Q: usize, const K: usize>(
+    qs: [&[f32]; Q],
+    keys: [&[f32]; 8],
+) -> [[f32; 8]; Q] {
     use std::arch::x86_64::*;
+    const { assert!(K == 4 || K == 8) };
     let hd = qs[0].len();
     assert!(hd.is_multiple_of(8) && qs.iter().chain(&keys).all(|r| r.len() == hd));
     let mut out = [[0f32; 8]; Q];
     // SAFETY: the lengths are checked; the features are the build's.
     unsafe {
-        for half in 0..2 {
-            let ks: [*const f32; 4] = std::array::from_fn(|c| keys[4 * half + c].as_ptr());
-            let mut acc = [[_mm256_setzero_ps(); 4]; Q];
+        for pass in 0..8 / K {
+            let ks: [*const f32; K] = std::array::from_fn(|c| keys[K * pass + c].as_ptr());
+            let mut acc = [[_mm256_setzero_ps(); K]; Q];
             for c in (0..hd).step_by(8) {
                 let x: [__m256; Q] =
                     std::array::from_fn(|a| _mm256_loadu_ps(qs[a].as_ptr().add(c)));
@@ -127,13 +98,17 @@ unsafe fn dots_avx2<const Q: usize>(qs: [&[f32]; Q], keys: [&[f32]; 8]) -> [[f32
                     }
                 }
             }
-            // As in `dot8_avx2`: two hadds give each key's half sums, then the halves.
+            // Four keys at a time: hadd pairs lanes (l0 + l1, l2 + l3 | l4 + l5, l6 + l7)
+            // per 128-bit half; twice gives each key's two half sums
+            // ([k0 lo, k1 lo, k2 lo, k3 lo | k0 hi, …]), then the halves are added.
             for a in 0..Q {
-                let h01 = _mm256_hadd_ps(acc[a][0], acc[a][1]);
-                let h23 = _mm256_hadd_ps(acc[a][2], acc[a][3]);
-                let q = _mm256_hadd_ps(h01, h23);
-                let sum = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps::<1>(q));
-                _mm_storeu_ps(out[a].as_mut_ptr().add(4 * half), sum);
+                for g in (0..K).step_by(4) {
+                    let h01 = _mm256_hadd_ps(acc[a][g], acc[a][g + 1]);
+                    let h23 = _mm256_hadd_ps(acc[a][g + 2], acc[a][g + 3]);
+                    let q = _mm256_hadd_ps(h01, h23);
+                    let sum = _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps::<1>(q));
+                    _mm_storeu_ps(out[a].as_mut_ptr().add(K * pass + g), sum);
+                }
             }
         }
     }
