@@ -283,7 +283,8 @@ pub fn rank_memory(
     let ctx = context as u64;
     let pool = kv_positions.max(context) as u64;
     let chunk = chunk.min(context).max(1) as u64;
-    let kv = |layers: u64, kv_heads: u64| 2 * pool * layers * kv_heads * hd * 4;
+    // Keys and values are kept in 16 bits: f16 on a CPU, bf16 on a GPU.
+    let kv = |layers: u64, kv_heads: u64| 2 * pool * layers * kv_heads * hd * 2;
     let work = |heads: u64, ffn: u64| {
         chunk * 4 * (4 * m.hidden as u64 + 3 * ffn + heads * hd) + heads * chunk * ctx * 4
     };

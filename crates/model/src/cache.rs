@@ -4,6 +4,24 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::Result;
 
+/// The type a model computing in `dtype` on `device` keeps its keys and values in: f16
+/// where the CPU computes in f32 (half the memory a sequence holds and half the bytes a
+/// decode step's attention reads, which at a few hundred positions are more than the
+/// weights of a small model; the row attention widens them exactly as it loads them),
+/// unless `SHOAL_KV=f32` or the kernels are the dense reference (`SHOAL_KERNELS=dense`,
+/// which rounds no activation); elsewhere the compute type itself.
+pub fn kv_dtype(device: &Device, dtype: DType) -> DType {
+    let f32_asked = || {
+        std::env::var("SHOAL_KV").is_ok_and(|v| v == "f32")
+            || crate::KernelChoice::from_env() == crate::KernelChoice::Dense
+    };
+    if device.is_cpu() && dtype == DType::F32 && !f32_asked() {
+        DType::F16
+    } else {
+        dtype
+    }
+}
+
 /// Keys and values of one layer: `(num_kv_heads, capacity, head_dim)`, grown by doubling.
 #[derive(Debug, Clone)]
 struct LayerCache {
@@ -33,7 +51,8 @@ impl KvCache {
         Self::new_on(first_layer, num_layers, max_len, &Device::Cpu, DType::F32)
     }
 
-    /// [`KvCache::new`] with the keys and values on `device` in `dtype`.
+    /// [`KvCache::new`] with the keys and values on `device`, kept in `dtype` (whatever
+    /// type [`KvCache::append`] is given, they are stored in this one).
     pub fn new_on(
         first_layer: usize,
         num_layers: usize,
@@ -52,7 +71,11 @@ impl KvCache {
         }
     }
 
-    /// Positions already stored.
+    /// The type keys and values are kept in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Expects the sequence to reach `positions` (its prompt and answer): the next growth
     /// of the storage goes straight there.
     pub fn reserve(&mut self, positions: usize) {
@@ -109,7 +132,8 @@ impl KvCache {
     }
 
     /// Stores `k`, `v` (`(num_kv_heads, t, head_dim)`) of `layer` at the current end and
-    /// returns the full keys and values `(num_kv_heads, len + t, head_dim)`. The sequence
+    /// returns the full keys and values `(num_kv_heads, len + t, head_dim)`, as kept
+    /// (in the cache's type). The sequence
     /// length advances only through [`KvCache::advance`], once every layer has appended.
     pub(crate) fn append(
         &mut self,
@@ -130,8 +154,12 @@ impl KvCache {
         let cache = slot
             .as_ref()
             .ok_or_else(|| crate::ModelError::Invalid("KV cache slot was not allocated".into()))?;
-        cache.k.slice_set(&k.contiguous()?, 1, self.len)?;
-        cache.v.slice_set(&v.contiguous()?, 1, self.len)?;
+        cache
+            .k
+            .slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
+        cache
+            .v
+            .slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
         Ok((cache.k.narrow(1, 0, needed)?, cache.v.narrow(1, 0, needed)?))
     }
 

@@ -21,7 +21,8 @@ pub enum KernelChoice {
     Shoal,
     /// candle's quantized matmul everywhere (the previous kernels).
     Candle,
-    /// Weights dequantized to f32 at load and f32 activations: no activation rounding,
+    /// Weights dequantized to f32 at load and f32 activations (and keys and values kept
+    /// in f32): no activation rounding,
     /// so results do not depend on how tokens are batched or summed. Four to eight times
     /// the memory and slow; for checking numerics, not for serving.
     Dense,

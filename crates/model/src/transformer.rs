@@ -240,7 +240,7 @@ impl Model {
             self.spec.layers.len(),
             self.max_len,
             &self.compute.device,
-            self.compute.dtype,
+            crate::cache::kv_dtype(&self.compute.device, self.compute.dtype),
         )
     }
 

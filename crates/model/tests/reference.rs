@@ -343,8 +343,18 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Logits `(t, vocab)` of every position of `tokens`, from scratch.
-fn reference_logits(w: &Weights, tokens: &[u32]) -> Vec<Vec<f32>> {
+/// Logits `(t, vocab)` of every position of `tokens`, from scratch, with keys and values
+/// rounded to `kv` as the cache keeps them (f16 where shoal computes in f32 on a CPU).
+fn reference_logits(w: &Weights, tokens: &[u32], kv: DType) -> Vec<Vec<f32>> {
+    let kept = |xs: &mut [f32]| {
+        for x in xs {
+            *x = match kv {
+                DType::F16 => half::f16::from_f32(*x).to_f32(),
+                DType::BF16 => half::bf16::from_f32(*x).to_f32(),
+                _ => *x,
+            };
+        }
+    };
     let d = w.d;
     let (h, hd, nh, nkv) = (d.hidden, d.head_dim, d.heads, d.kv_heads);
     let t = tokens.len();
@@ -379,7 +389,8 @@ fn reference_logits(w: &Weights, tokens: &[u32]) -> Vec<Vec<f32>> {
         };
         let mut q = proj("attn_q", nh * hd);
         let mut k = proj("attn_k", nkv * hd);
-        let v = proj("attn_v", nkv * hd);
+        let mut v = proj("attn_v", nkv * hd);
+        kept(&mut v);
         if d.arch == Architecture::Qwen3 {
             q = rms_norm(&q, w.get(&p("attn_q_norm.weight")), d.eps);
             k = rms_norm(&k, w.get(&p("attn_k_norm.weight")), d.eps);
@@ -392,6 +403,7 @@ fn reference_logits(w: &Weights, tokens: &[u32]) -> Vec<Vec<f32>> {
                 rope(&mut k[pos * nkv * hd + head * hd..][..hd], pos);
             }
         }
+        kept(&mut k);
         let mut attn = vec![0f32; t * nh * hd];
         for head in 0..nh {
             let kvh = head / (nh / nkv);
@@ -446,8 +458,9 @@ fn reference_logits(w: &Weights, tokens: &[u32]) -> Vec<Vec<f32>> {
 const PROMPT: [u32; 9] = [3, 17, 42, 7, 99, 0, 55, 150, 8];
 
 /// shoal's logits for every position of PROMPT: a chunked prefill (4 + 4 tokens) and
-/// then one decode step, so the cache path and the chunk boundary are both exercised.
-fn shoal_logits(source: &dyn WeightSource) -> Vec<Vec<f32>> {
+/// then one decode step, so the cache path and the chunk boundary are both exercised; and
+/// the type the cache kept keys and values in.
+fn shoal_logits(source: &dyn WeightSource) -> (Vec<Vec<f32>>, DType) {
     let cfg = source.config().expect("config").clone();
     let model = Model::load(source, LoadSpec::full(cfg.num_layers), 64).expect("load");
     let mut cache = model.new_cache();
@@ -456,7 +469,7 @@ fn shoal_logits(source: &dyn WeightSource) -> Vec<Vec<f32>> {
         let logits = model.forward(piece, &mut cache, true).expect("forward");
         rows.extend(logits.to_vec2::<f32>().expect("logits"));
     }
-    rows
+    (rows, cache.dtype())
 }
 
 fn max_rel_err(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -476,14 +489,14 @@ fn check_gguf(arch: Architecture, dtype: GgmlDType, tolerance: f32) {
     let path = dir.join("model.gguf");
     write_gguf(&w, dtype, &path);
     let file = GgufFile::open(&path).expect("open gguf");
-    let got = shoal_logits(&file);
+    let (got, kv) = shoal_logits(&file);
     // The reference sees the weights as the file stores them (quantized, then expanded).
     let reference_weights = if dtype == GgmlDType::F32 {
         w
     } else {
         dequantized_like(&w, dtype)
     };
-    let want = reference_logits(&reference_weights, &PROMPT);
+    let want = reference_logits(&reference_weights, &PROMPT, kv);
     let err = max_rel_err(&got, &want);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
@@ -523,8 +536,8 @@ fn check_safetensors(arch: Architecture, dtype: DType) {
     let dir = temp_dir(&format!("{}-st-{dtype:?}", arch.name()));
     write_safetensors(&w, dtype, &dir);
     let source = SafetensorsDir::open(&dir).expect("open safetensors");
-    let got = shoal_logits(&source);
-    let want = reference_logits(&w, &PROMPT);
+    let (got, kv) = shoal_logits(&source);
+    let want = reference_logits(&w, &PROMPT, kv);
     let err = max_rel_err(&got, &want);
     let _ = std::fs::remove_dir_all(&dir);
     assert!(

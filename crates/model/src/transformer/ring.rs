@@ -211,12 +211,18 @@ impl Model {
         let rows = qpos.len();
         let start = cache.len();
         let scale = 1.0 / (hd as f64).sqrt();
-        let local = if rows > 0 {
-            Some(self.project_qkv(layer, x, pieces)?)
-        } else {
-            None
-        };
         let (device, dtype) = (self.compute.device.clone(), self.compute.dtype);
+        // Keys and values as the cache will keep them (f16 on a CPU), so that every query
+        // sees what a rank computing the chunk alone would read back from its cache.
+        let kept =
+            |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(cache.dtype())?.to_dtype(dtype)?) };
+        let local = match rows {
+            0 => None,
+            _ => {
+                let (q, k, v) = self.project_qkv(layer, x, pieces)?;
+                Some((q, kept(k)?, kept(v)?))
+            }
+        };
         let mut state = Online::new(nkv, g * rows, hd, &device)?;
         let q = match &local {
             Some((q, _, _)) => Some(q.reshape((nkv, g * rows, hd))?),
@@ -224,7 +230,7 @@ impl Model {
         };
         // Everything before the chunk: every query sees all of it.
         if let (Some(q), Some((k, v))) = (&q, cache.stored(layer.index)?) {
-            state.add(q, &k, &v, None, scale)?;
+            state.add(q, &k.to_dtype(dtype)?, &v.to_dtype(dtype)?, None, scale)?;
         }
         // The chunk, block by block around the ring.
         let mut in_hand = match &local {

@@ -17,8 +17,10 @@
 
 mod arith;
 
-use arith::{dot, exp_minus, scores_of, weigh_values};
+use arith::{Elem, dot, exp_minus, scores_of, weigh_values};
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
+use half::f16;
 
 /// `softmax(q·Kᵀ·scale + causal)·V` for `q` `(heads, t, head_dim)` and `k`, `v`
 /// `(kv_heads, n, head_dim)`: query row `i` is at position `n − t + i` and sees keys
@@ -50,18 +52,18 @@ struct Scratch {
     outs: Vec<f32>,
 }
 
-/// A `(a, b, c)` f32 tensor whose last dimension is contiguous: base offset and the
+/// A `(a, b, c)` tensor of `T` whose last dimension is contiguous: base offset and the
 /// strides of the first two dimensions.
-struct View<'a> {
-    data: &'a [f32],
+struct View<'a, T = f32> {
+    data: &'a [T],
     dims: [usize; 3],
     offset: usize,
     strides: [usize; 2],
 }
 
-impl<'a> View<'a> {
+impl<'a, T: Elem> View<'a, T> {
     fn new(storage: &'a CpuStorage, layout: &Layout, what: &str) -> Result<Self> {
-        let data = storage.as_slice::<f32>()?;
+        let data = storage.as_slice::<T>()?;
         let (dims, stride) = (layout.dims(), layout.stride());
         if dims.len() != 3 || stride[2] != 1 {
             candle_core::bail!(
@@ -85,9 +87,44 @@ impl<'a> View<'a> {
         self.offset + i * self.strides[0] + j * self.strides[1]
     }
 
-    fn row(&self, i: usize, j: usize) -> &'a [f32] {
+    fn row(&self, i: usize, j: usize) -> &'a [T] {
         let at = self.at(i, j);
         &self.data[at..at + self.dims[2]]
+    }
+}
+
+/// Keys and values as the cache keeps them.
+enum KeysValues<'a> {
+    F32(View<'a, f32>, View<'a, f32>),
+    F16(View<'a, f16>, View<'a, f16>),
+}
+
+impl<'a> KeysValues<'a> {
+    fn new(
+        (ks, kl): (&'a CpuStorage, &Layout),
+        (vs, vl): (&'a CpuStorage, &Layout),
+    ) -> Result<Self> {
+        Ok(match (ks, vs) {
+            (CpuStorage::F32(_), CpuStorage::F32(_)) => {
+                Self::F32(View::new(ks, kl, "k")?, View::new(vs, vl, "v")?)
+            }
+            (CpuStorage::F16(_), CpuStorage::F16(_)) => {
+                Self::F16(View::new(ks, kl, "k")?, View::new(vs, vl, "v")?)
+            }
+            _ => candle_core::bail!(
+                "row attention: keys {:?} and values {:?} must both be f32 or f16",
+                ks.dtype(),
+                vs.dtype()
+            ),
+        })
+    }
+
+    /// `(kv_heads, n, head_dim)` of the keys and of the values.
+    fn dims(&self) -> ([usize; 3], [usize; 3]) {
+        match self {
+            Self::F32(k, v) => (k.dims, v.dims),
+            Self::F16(k, v) => (k.dims, v.dims),
+        }
     }
 }
 
@@ -95,8 +132,7 @@ impl<'a> View<'a> {
 /// (a block of rows and some of a KV head's query heads).
 struct Problem<'a> {
     q: View<'a>,
-    k: View<'a>,
-    v: View<'a>,
+    kv: KeysValues<'a>,
     heads: usize,
     t: usize,
     hd: usize,
@@ -112,21 +148,15 @@ impl<'a> Problem<'a> {
     /// `split_heads`: one query head per unit (for a decode step alone, to keep the
     /// threads evenly busy); otherwise all of a KV head's (each key read serves them all).
     /// A query's arithmetic is the same either way.
-    fn new(q: View<'a>, k: View<'a>, v: View<'a>, split_heads: bool) -> Result<Self> {
+    fn new(q: View<'a>, kv: KeysValues<'a>, split_heads: bool) -> Result<Self> {
         let [heads, t, hd] = q.dims;
-        let [kv_heads, n, khd] = k.dims;
-        if t == 0
-            || t > n
-            || khd != hd
-            || v.dims != k.dims
-            || kv_heads == 0
-            || heads % kv_heads != 0
+        let (kdims, vdims) = kv.dims();
+        let [kv_heads, n, khd] = kdims;
+        if t == 0 || t > n || khd != hd || vdims != kdims || kv_heads == 0 || heads % kv_heads != 0
         {
             candle_core::bail!(
-                "row attention: q {:?}, k {:?}, v {:?} do not fit",
-                q.dims,
-                k.dims,
-                v.dims
+                "row attention: q {:?}, k {kdims:?}, v {vdims:?} do not fit",
+                q.dims
             );
         }
         let group = heads / kv_heads;
@@ -135,8 +165,7 @@ impl<'a> Problem<'a> {
         let slices = group / heads_per_unit;
         Ok(Self {
             q,
-            k,
-            v,
+            kv,
             heads,
             t,
             hd,
@@ -157,7 +186,23 @@ impl<'a> Problem<'a> {
     /// Computes unit `unit` into `out` (`(t, heads · hd)`, owned by the caller; each
     /// unit writes its own rows and heads).
     fn block(&self, unit: usize, scale: f32, scratch: &mut Scratch, out: *mut f32) {
-        let (q, k, v) = (&self.q, &self.k, &self.v);
+        match &self.kv {
+            KeysValues::F32(k, v) => self.block_over(k, v, unit, scale, scratch, out),
+            KeysValues::F16(k, v) => self.block_over(k, v, unit, scale, scratch, out),
+        }
+    }
+
+    /// [`Problem::block`] over keys and values kept as `T`.
+    fn block_over<T: Elem>(
+        &self,
+        k: &View<T>,
+        v: &View<T>,
+        unit: usize,
+        scale: f32,
+        scratch: &mut Scratch,
+        out: *mut f32,
+    ) {
+        let q = &self.q;
         let (t, n, hd, heads, group) = (self.t, self.n, self.hd, self.heads, self.group);
         let (slices, heads_per_unit) = (self.slices, self.heads_per_unit);
         let (kvh, rest) = (
@@ -182,7 +227,7 @@ impl<'a> Problem<'a> {
         scores.resize(queries.len() * longest, 0.0);
         if hd.is_multiple_of(8) {
             for j0 in (0..longest).step_by(8) {
-                let keys: [&[f32]; 8] =
+                let keys: [&[T]; 8] =
                     std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
                 // Queries of the block in twos (threes where their count is odd), each
                 // group's scores against the eight keys from one pass over them.
@@ -331,8 +376,7 @@ pub(crate) fn row_attention_many(
     for ((qs, ql), (ks, kl), (vs, vl)) in &guards {
         problems.push(Problem::new(
             View::new(cpu(qs)?, ql, "q")?,
-            View::new(cpu(ks)?, kl, "k")?,
-            View::new(cpu(vs)?, vl, "v")?,
+            KeysValues::new((cpu(ks)?, kl), (cpu(vs)?, vl))?,
             false,
         )?);
     }
@@ -411,18 +455,17 @@ impl CustomOp3 for RowAttention {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (
+        let (q, kv) = (
             View::new(qs, ql, "q")?,
-            View::new(ks, kl, "k")?,
-            View::new(vs, vl, "v")?,
+            KeysValues::new((ks, kl), (vs, vl))?,
         );
         let pool = shoal_kernels::ThreadPool::global();
         let [heads, t, _] = q.dims;
-        let [kv_heads, n, _] = k.dims;
+        let [kv_heads, n, _] = kv.dims().0;
         let parallel = t * n * heads >= PARALLEL_FROM && pool.size() > 1;
         // Too few blocks to keep the threads evenly busy (a decode step): a head a unit.
         let split_heads = parallel && kv_heads * t.div_ceil(BLOCK_ROWS) < 4 * pool.size();
-        let p = Problem::new(q, k, v, split_heads)?;
+        let p = Problem::new(q, kv, split_heads)?;
         let mut out = vec![0f32; p.t * p.heads * p.hd];
         let out_addr = out.as_mut_ptr() as usize;
         share_out(p.units, parallel, None, &|u, scratch| {
@@ -434,7 +477,7 @@ impl CustomOp3 for RowAttention {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{Device, Tensor};
+    use candle_core::{DType, Device, Tensor};
 
     use super::{row_attention, row_attention_each};
 
@@ -539,6 +582,44 @@ mod tests {
                 .zip(&got)
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "sequence {i}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn keys_and_values_kept_in_f16_give_what_their_f32_values_give() -> candle_core::Result<()> {
+        // The cache's f16 widened as it is loaded: the same result, bit for bit, as the
+        // f32 path over the same values, for head sizes the vectors take and one they do
+        // not, alone and among a batch.
+        let dev = Device::Cpu;
+        for hd in [16, 64, 20] {
+            let (heads, kv_heads) = (6, 2);
+            let mut items = Vec::new();
+            for (t, n) in [(1, 5), (1, 700), (9, 40)] {
+                let q = Tensor::randn(0f32, 1.0, (heads, t, hd), &dev)?;
+                let k = Tensor::randn(0f32, 1.0, (kv_heads, n + 3, hd), &dev)?
+                    .to_dtype(DType::F16)?
+                    .narrow(1, 0, n)?;
+                let v = Tensor::randn(0f32, 1.0, (kv_heads, n + 3, hd), &dev)?
+                    .to_dtype(DType::F16)?
+                    .narrow(1, 0, n)?;
+                items.push((q, k, v));
+            }
+            let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                Ok(t.flatten_all()?
+                    .to_vec1::<f32>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect())
+            };
+            let refs: Vec<_> = items.iter().map(|(q, k, v)| (q, k, v)).collect();
+            let together = row_attention_each(&refs, 0.3)?;
+            for ((q, k, v), got) in items.iter().zip(&together) {
+                let wide =
+                    row_attention(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, 0.3)?;
+                assert_eq!(bits(&row_attention(q, k, v, 0.3)?)?, bits(&wide)?, "{hd}");
+                assert_eq!(bits(got)?, bits(&wide)?, "{hd}, in a batch");
+            }
         }
         Ok(())
     }

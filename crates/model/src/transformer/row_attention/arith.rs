@@ -2,14 +2,78 @@
 //! the exponentials, the values weighed by them. Each is written so that a query's result
 //! is the same whatever is computed beside it (the vectorized forms do the plain loops'
 //! fused multiply-adds in the same order; the tests check them bit for bit).
+//!
+//! Keys and values are read as the cache keeps them, f32 or f16 ([`Elem`]): an f16 is
+//! widened to the f32 it stands for exactly, so the arithmetic after the load is the
+//! same for both.
+
+use half::f16;
 
 use super::View;
+
+/// An element type the cache may keep keys and values in.
+pub(crate) trait Elem: candle_core::WithDType {
+    fn to_f32(self) -> f32;
+
+    /// Eight elements from `p` widened to f32.
+    ///
+    /// # Safety
+    /// `p..p + 8` must be readable.
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Elem for f32 {
+    fn to_f32(self) -> f32 {
+        self
+    }
+
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+impl Elem for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        #[cfg(target_feature = "f16c")]
+        // SAFETY: the caller's; the build targets F16C.
+        unsafe {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        }
+        #[cfg(not(target_feature = "f16c"))]
+        // SAFETY: the caller's.
+        unsafe {
+            let xs: [f32; 8] = std::array::from_fn(|i| (*p.add(i)).to_f32());
+            _mm256_loadu_ps(xs.as_ptr())
+        }
+    }
+}
 
 /// `q · keys[c]` for eight keys at once (`q.len()` a multiple of 8): per key, eight
 /// lanes of fused multiply-adds over the chunks of 8, then the lanes summed as the tree
 /// `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`. A key's score is the same
 /// whichever keys share the call (callers repeat a key to fill the eight).
-pub(super) fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
+pub(super) fn dot8<T: Elem>(q: &[f32], keys: [&[T]; 8]) -> [f32; 8] {
     #[cfg(all(
         target_arch = "x86_64",
         target_feature = "avx2",
@@ -17,7 +81,7 @@ pub(super) fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
     ))]
     {
         // SAFETY: the build targets AVX2 and FMA; `dots_avx2` checks the lengths.
-        unsafe { dots_avx2::<1, 8>([q], keys)[0] }
+        unsafe { dots_avx2::<T, 1, 8>([q], keys)[0] }
     }
     #[cfg(not(all(
         target_arch = "x86_64",
@@ -30,7 +94,7 @@ pub(super) fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
             let mut l = [0f32; 8];
             for (x, y) in q.chunks_exact(8).zip(key.chunks_exact(8)) {
                 for i in 0..8 {
-                    l[i] = x[i].mul_add(y[i], l[i]);
+                    l[i] = x[i].mul_add(y[i].to_f32(), l[i]);
                 }
             }
             *o = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
@@ -42,7 +106,7 @@ pub(super) fn dot8(q: &[f32], keys: [&[f32]; 8]) -> [f32; 8] {
 /// [`dot8`] of one, two or three queries (`qs`) against the same eight keys, in the first
 /// `qs.len()` rows: each key's chunk loaded once serves them all. Every score is the one
 /// [`dot8`] gives.
-pub(super) fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
+pub(super) fn scores_of<T: Elem>(qs: &[&[f32]], keys: [&[T]; 8]) -> [[f32; 8]; 3] {
     let mut out = [[0f32; 8]; 3];
     #[cfg(all(
         target_arch = "x86_64",
@@ -53,10 +117,10 @@ pub(super) fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
     unsafe {
         match qs {
             [a, b] => {
-                out[..2].copy_from_slice(&dots_avx2::<2, 4>([a, b], keys));
+                out[..2].copy_from_slice(&dots_avx2::<T, 2, 4>([a, b], keys));
                 return out;
             }
-            [a, b, c] => return dots_avx2::<3, 4>([a, b, c], keys),
+            [a, b, c] => return dots_avx2::<T, 3, 4>([a, b, c], keys),
             _ => {}
         }
     }
@@ -74,25 +138,29 @@ pub(super) fn scores_of(qs: &[&[f32]], keys: [&[f32]; 8]) -> [[f32; 8]; 3] {
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-unsafe fn dots_avx2<const Q: usize, const K: usize>(
+unsafe fn dots_avx2<T: Elem, const Q: usize, const K: usize>(
     qs: [&[f32]; Q],
-    keys: [&[f32]; 8],
+    keys: [&[T]; 8],
 ) -> [[f32; 8]; Q] {
     use std::arch::x86_64::*;
     const { assert!(K == 4 || K == 8) };
     let hd = qs[0].len();
-    assert!(hd.is_multiple_of(8) && qs.iter().chain(&keys).all(|r| r.len() == hd));
+    assert!(
+        hd.is_multiple_of(8)
+            && qs.iter().all(|r| r.len() == hd)
+            && keys.iter().all(|r| r.len() == hd)
+    );
     let mut out = [[0f32; 8]; Q];
     // SAFETY: the lengths are checked; the features are the build's.
     unsafe {
         for pass in 0..8 / K {
-            let ks: [*const f32; K] = std::array::from_fn(|c| keys[K * pass + c].as_ptr());
+            let ks: [*const T; K] = std::array::from_fn(|c| keys[K * pass + c].as_ptr());
             let mut acc = [[_mm256_setzero_ps(); K]; Q];
             for c in (0..hd).step_by(8) {
                 let x: [__m256; Q] =
                     std::array::from_fn(|a| _mm256_loadu_ps(qs[a].as_ptr().add(c)));
                 for (kk, key) in ks.iter().enumerate() {
-                    let y = _mm256_loadu_ps(key.add(c));
+                    let y = T::load8(key.add(c));
                     for a in 0..Q {
                         acc[a][kk] = _mm256_fmadd_ps(x[a], y, acc[a][kk]);
                     }
@@ -117,18 +185,18 @@ unsafe fn dots_avx2<const Q: usize, const K: usize>(
 
 /// `q · key` by the same arithmetic as [`dot8`] (for a head size that is not a multiple of
 /// eight, every score takes this).
-pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ac
         .remainder()
         .iter()
         .zip(bc.remainder())
-        .map(|(x, y)| x * y)
+        .map(|(x, y)| x * y.to_f32())
         .sum();
     for (x, y) in ac.zip(bc) {
         for l in 0..8 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+            acc[l] = x[l].mul_add(y[l].to_f32(), acc[l]);
         }
     }
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
@@ -172,7 +240,7 @@ pub(super) fn exp_minus(xs: &mut [f32], max: f32) -> f32 {
 /// `out[e] += Σ_j probs[j] · values[j][e]` over KV head `kvh`'s first `probs.len()`
 /// values, one fused multiply-add per term in key order (so a row's sum is the same
 /// whatever is computed beside it).
-pub(super) fn weigh_values(out: &mut [f32], probs: &[f32], v: &View, kvh: usize) {
+pub(super) fn weigh_values<T: Elem>(out: &mut [f32], probs: &[f32], v: &View<T>, kvh: usize) {
     assert!(out.len() == v.dims[2] && probs.len() <= v.dims[1]);
     #[cfg(all(
         target_arch = "x86_64",
@@ -187,7 +255,7 @@ pub(super) fn weigh_values(out: &mut [f32], probs: &[f32], v: &View, kvh: usize)
     }
     for (j, &p) in probs.iter().enumerate() {
         for (acc, x) in out.iter_mut().zip(v.row(kvh, j)) {
-            *acc = p.mul_add(*x, *acc);
+            *acc = p.mul_add(x.to_f32(), *acc);
         }
     }
 }
@@ -199,14 +267,14 @@ pub(super) fn weigh_values(out: &mut [f32], probs: &[f32], v: &View, kvh: usize)
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-unsafe fn weigh_values_avx2(out: &mut [f32], probs: &[f32], v: &View, kvh: usize) {
+unsafe fn weigh_values_avx2<T: Elem>(out: &mut [f32], probs: &[f32], v: &View<T>, kvh: usize) {
     use std::arch::x86_64::*;
     /// Values `start..start + 8·N` of the row.
-    unsafe fn piece<const N: usize>(
+    unsafe fn piece<T: Elem, const N: usize>(
         out: &mut [f32],
         start: usize,
         probs: &[f32],
-        v: &View,
+        v: &View<T>,
         kvh: usize,
     ) {
         // SAFETY: the caller's: `start + 8·N ≤ head_dim`, rows `0..probs.len()` exist.
@@ -217,7 +285,7 @@ unsafe fn weigh_values_avx2(out: &mut [f32], probs: &[f32], v: &View, kvh: usize
                 let p = _mm256_set1_ps(p);
                 let row = v.data.as_ptr().add(v.at(kvh, j) + start);
                 for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(p, _mm256_loadu_ps(row.add(8 * i)), *a);
+                    *a = _mm256_fmadd_ps(p, T::load8(row.add(8 * i)), *a);
                 }
             }
             for (i, a) in acc.iter().enumerate() {
@@ -233,19 +301,19 @@ unsafe fn weigh_values_avx2(out: &mut [f32], probs: &[f32], v: &View, kvh: usize
             let left = (out.len() - start) / 8;
             let n = match left {
                 8.. => {
-                    piece::<8>(out, start, probs, v, kvh);
+                    piece::<T, 8>(out, start, probs, v, kvh);
                     8
                 }
                 4..=7 => {
-                    piece::<4>(out, start, probs, v, kvh);
+                    piece::<T, 4>(out, start, probs, v, kvh);
                     4
                 }
                 2..=3 => {
-                    piece::<2>(out, start, probs, v, kvh);
+                    piece::<T, 2>(out, start, probs, v, kvh);
                     2
                 }
                 _ => {
-                    piece::<1>(out, start, probs, v, kvh);
+                    piece::<T, 1>(out, start, probs, v, kvh);
                     1
                 }
             };
