@@ -5,7 +5,7 @@
 //! within the stall timeout (none vanished, none stalled), no sequence may stay held, and
 //! an instance must be ready within 10 s of each node coming back.
 //!
-//! Each node offers models only `--memory 640M`, and the instance's context (8192) makes
+//! Each node offers models only `--memory 320M`, and the instance's context (8192) makes
 //! the model too big for one of them: so while host 2 is away nothing can serve, and
 //! "ready again" means placed over both again, once host 2 is back (the test checks
 //! that one host alone is refused, so the recovery figure cannot become trivial).
@@ -27,9 +27,10 @@ const NODE_STALL: &str = "10";
 /// A request with no end this long counts as stalled (the node's stall timeout, and
 /// time for the instance to be placed again).
 const CLIENT_STALL: &str = "45";
-/// What each node offers to models: under the model at `CONTEXT` on one host (about
-/// 560 MB), over each rank's share of a 2-host pipeline (at most about 380 MB).
-const MEMORY: &str = "640M";
+/// What each node offers to models (placement uses 90% of it): under the model at
+/// `CONTEXT` on one host (353 MiB with its 16-bit KV cache), over each rank's share of a
+/// 2-host pipeline (at most 240 MiB).
+const MEMORY: &str = "320M";
 const CONTEXT: usize = 8192;
 
 fn bin() -> &'static Path {

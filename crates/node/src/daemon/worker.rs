@@ -59,8 +59,9 @@ impl Daemon {
             hostname: self.hostname.clone(),
             resources: Resources {
                 memory_total: total,
-                // Rounded, so that small changes do not make events.
-                memory_free: free / (256 << 20) * (256 << 20),
+                // Rounded, so that small changes do not make events (to 64 MiB: a
+                // small node's offer is a few hundred).
+                memory_free: free / (64 << 20) * (64 << 20),
                 cores: std::thread::available_parallelism().map_or(1, |n| n.get()) as u32,
                 backend: match &self.gpu {
                     Some(g) => Backend::Cuda {
