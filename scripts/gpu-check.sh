@@ -24,7 +24,8 @@
 #       projection's weights asked of L2 by the attention (off by default); fuse: the
 #       output projection in the cluster attention kernel (off by default: a mat-vec of
 #       its own); chain: greedy generation with each step's arg-max feeding the next on
-#       the device (off by default: a step at a time through the host); lean: the bf16
+#       the device (the default since 2026-12-07); step: a token at a time through the
+#       host instead; lean: the bf16
 #       mat-vecs held to 64 registers a thread (8 blocks an SM); timing only (the answers
 #       are wrong): repeat2 replays the graph twice a token (the difference is the graph's
 #       own time), omit-STAGE[,STAGE] leaves qkv, attn, o, gate_up, down or head out
@@ -84,6 +85,7 @@ mode_env() { # mode
     fuse) env=(SHOAL_GPU_FUSE_O=1) ;;
     repeat2) env=(SHOAL_GPU_REPEAT=2) ;;
     chain) env=(SHOAL_GPU_CHAIN=1) ;;
+    step) env=(SHOAL_GPU_CHAIN=0) ;;
     lean) env=(SHOAL_GPU_LEAN=1) ;;
     omit-*) env=(SHOAL_GPU_OMIT=${1#omit-}) ;;
     *) echo "unknown mode $1" >&2; exit 2 ;;

@@ -553,8 +553,9 @@ fn chained_greedy_steps_equal_stepping_through_the_host() {
     let Some(bf16_gpu) = gpu(DType::BF16) else {
         return;
     };
-    // Chained steps are a variant until this test has passed on a GPU; the plans built
-    // below read the switch (no other test decodes through `greedy`).
+    // Chained steps are the default; the plans built below read the switch, set here so
+    // that the test checks them whatever the environment says (no other test decodes
+    // through `greedy`).
     unsafe { std::env::set_var("SHOAL_GPU_CHAIN", "1") };
     const STEPS: usize = 48;
     let prompt: Vec<u32> = (0..23).map(|i| (i * 41 + 5) % 500).collect();

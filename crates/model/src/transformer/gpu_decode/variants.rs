@@ -67,10 +67,10 @@ pub(super) struct Variants {
     /// (`SHOAL_GPU_OMIT=qkv,attn,o,gate_up,down,head`), to see what each costs inside the
     /// replayed graph, where programmatic launches overlap neighbours.
     pub(super) omit: Vec<Stage>,
-    /// Greedy decoding chains its steps on the device (`chain.rs`) where
-    /// `SHOAL_GPU_CHAIN=1`; otherwise a token at a time through the host. Off until its
-    /// GPU test has passed: its first run read tokens back before their copies landed
-    /// (fixed since, not yet run again).
+    /// Greedy decoding chains its steps on the device (`chain.rs`) unless
+    /// `SHOAL_GPU_CHAIN=0`, which steps a token at a time through the host. On an H100,
+    /// llama-8B bf16 tg128: 183.1 / 183.2 tok/s chained against 181.9 stepping (the GPU
+    /// test `chained_greedy_steps_equal_stepping_through_the_host` passed first).
     pub(super) chain: bool,
     /// Timing only: the graph replayed this many times a token (`SHOAL_GPU_REPEAT`), so
     /// that the difference between 1 and 2 is the graph's own time and the rest of a
@@ -100,7 +100,7 @@ impl Variants {
             prefetch_next: var("SHOAL_GPU_PREFETCH_NEXT").as_deref() == Some("1"),
             fuse_o: var("SHOAL_GPU_FUSE_O").as_deref() == Some("1"),
             omit,
-            chain: var("SHOAL_GPU_CHAIN").as_deref() == Some("1"),
+            chain: on("SHOAL_GPU_CHAIN"),
             repeat: var("SHOAL_GPU_REPEAT")
                 .and_then(|v| v.parse().ok())
                 .filter(|n| (1..=8).contains(n))
