@@ -209,6 +209,9 @@ pub struct Model {
     rope: Rope,
     max_len: usize,
     compute: Compute,
+    /// The type its caches keep keys and values in (`cache::kv_dtype`), decided at load
+    /// as the kernels are.
+    kv_dtype: DType,
     gpu_decode: GpuDecode,
     /// Whether this machine's kernels compute prompt rows and decode rows alike
     /// (`shoal_kernels::Isa::rows_round_alike`): else a batch holding both runs them as
@@ -240,7 +243,7 @@ impl Model {
             self.spec.layers.len(),
             self.max_len,
             &self.compute.device,
-            crate::cache::kv_dtype(&self.compute.device, self.compute.dtype),
+            self.kv_dtype,
         )
     }
 

@@ -290,6 +290,7 @@ impl Model {
             layers,
             head,
             max_len,
+            kv_dtype: crate::cache::kv_dtype(&compute.device, compute.dtype),
             compute: compute.clone(),
             gpu_decode: GpuDecode::from_env(),
             rows_round_alike: shoal_kernels::Isa::detect().rows_round_alike(),
