@@ -79,7 +79,7 @@ ls -la gpu-bin
 # ../shared/tools/llamacpp-cuda.sh left) in one solid archive, gpu-bin/all.tar.xz: ~53 MB
 # against ~61 MB apart, so the GPU tests and the side-by-side fit one call's carry (~5
 # minutes of one core). Carry gpu-bin with all.tar.xz alone in it.
-if [ -n "${PACK:-}" ]; then
+if [ "${PACK:-0}" != 0 ]; then
   pack=$(mktemp -d)
   xz -dc gpu-bin/shoal.xz >"$pack/shoal"
   xz -dc gpu-bin/gpu-test.xz >"$pack/gpu-test"
