@@ -313,6 +313,48 @@ fn beside_streams_a_prompt_slice_is_sized_by_time() {
 }
 
 #[test]
+fn a_dearer_prompt_token_alone_is_believed_sooner_than_a_cheaper_one() {
+    let l = Limits {
+        step_tokens: 256,
+        ..limits()
+    };
+    let bounds = StepBounds {
+        gap: 0.0,
+        ms: 500.0,
+    };
+    let mut costs = StepCosts::default();
+    costs.observe(0, 100, 100.0);
+    assert_eq!(prompt_budget(&costs, 0, bounds, &l), 256);
+    // Further into a long prompt a token costs 2 ms: half of the difference at once, so
+    // the next slice (400 ms of room) is 266 tokens; a plain average (1.2 ms) would give
+    // 333, which at 2 ms a token overrun the 500 ms bound by a third.
+    costs.observe(0, 200, 400.0);
+    assert!(
+        (costs.per_prompt_token.unwrap() - 1.5).abs() < 1e-9,
+        "{costs:?}"
+    );
+    assert_eq!(
+        prompt_budget(&costs, 0, bounds, &l),
+        256.min((400.0 / 1.5) as usize)
+    );
+    costs.observe(0, 200, 400.0);
+    assert!((costs.per_prompt_token.unwrap() - 1.75).abs() < 1e-9);
+    // Cheaper again: a fifth of the way down.
+    costs.observe(0, 200, 200.0);
+    assert!((costs.per_prompt_token.unwrap() - 1.6).abs() < 1e-9);
+    // The decode-only cost and the cost beside streams stay plain averages.
+    costs.observe(1, 0, 10.0);
+    costs.observe(1, 0, 20.0);
+    assert!((costs.decode.unwrap() - 12.0).abs() < 1e-9);
+    costs.observe(1, 4, 12.0 + 4.0);
+    costs.observe(1, 4, 12.0 + 12.0);
+    assert!(
+        (costs.per_token_beside.unwrap() - 1.4).abs() < 1e-9,
+        "{costs:?}"
+    );
+}
+
+#[test]
 fn any_step_is_bounded_in_time_so_a_long_prompt_hears_a_cancel() {
     let l = Limits {
         step_tokens: 256,
