@@ -288,15 +288,11 @@ const LEARN_DEARER: f64 = 0.5;
 /// Steps reading at least this many prompt tokens alone measure their per-token cost.
 const MEASURED_SLICE: usize = 32;
 
-fn learn(old: Option<f64>, new: f64) -> f64 {
-    old.map_or(new, |o| o + LEARN * (new - o))
-}
-
-/// [`learn`] for the per-token cost of prompt-alone steps: a dearer observation weighs
-/// [`LEARN_DEARER`].
-fn learn_per_token(old: Option<f64>, new: f64) -> f64 {
+/// The average `old` moved towards `new`: by `dearer` where `new` is above it, by
+/// [`LEARN`] otherwise.
+fn learn(old: Option<f64>, new: f64, dearer: f64) -> f64 {
     old.map_or(new, |o| {
-        let weight = if new > o { LEARN_DEARER } else { LEARN };
+        let weight = if new > o { dearer } else { LEARN };
         o + weight * (new - o)
     })
 }
@@ -305,15 +301,16 @@ impl StepCosts {
     /// A step of `decoding` stream tokens and `prompt` prompt tokens took `ms`.
     pub fn observe(&mut self, decoding: usize, prompt: usize, ms: f64) {
         match (decoding, prompt) {
-            (_, 0) => self.decode = Some(learn(self.decode, ms)),
+            (_, 0) => self.decode = Some(learn(self.decode, ms, LEARN)),
             (0, n) if n >= MEASURED_SLICE => {
-                self.per_prompt_token = Some(learn_per_token(self.per_prompt_token, ms / n as f64));
+                let per_token = ms / n as f64;
+                self.per_prompt_token = Some(learn(self.per_prompt_token, per_token, LEARN_DEARER));
             }
             (0, _) => {}
             (_, n) => {
                 if let Some(d) = self.decode {
                     let beside = (ms - d).max(0.0) / n as f64;
-                    self.per_token_beside = Some(learn(self.per_token_beside, beside));
+                    self.per_token_beside = Some(learn(self.per_token_beside, beside, LEARN));
                 }
             }
         }

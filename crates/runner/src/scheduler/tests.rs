@@ -315,7 +315,7 @@ fn beside_streams_a_prompt_slice_is_sized_by_time() {
 #[test]
 fn a_dearer_prompt_token_alone_is_believed_sooner_than_a_cheaper_one() {
     let l = Limits {
-        step_tokens: 256,
+        step_tokens: 512,
         ..limits()
     };
     let bounds = StepBounds {
@@ -324,7 +324,8 @@ fn a_dearer_prompt_token_alone_is_believed_sooner_than_a_cheaper_one() {
     };
     let mut costs = StepCosts::default();
     costs.observe(0, 100, 100.0);
-    assert_eq!(prompt_budget(&costs, 0, bounds, &l), 256);
+    // 1 ms a token: 400 ms of room (80% of the bound) is 400 tokens.
+    assert_eq!(prompt_budget(&costs, 0, bounds, &l), 400);
     // Further into a long prompt a token costs 2 ms: half of the difference at once, so
     // the next slice (400 ms of room) is 266 tokens; a plain average (1.2 ms) would give
     // 333, which at 2 ms a token overrun the 500 ms bound by a third.
@@ -333,10 +334,7 @@ fn a_dearer_prompt_token_alone_is_believed_sooner_than_a_cheaper_one() {
         (costs.per_prompt_token.unwrap() - 1.5).abs() < 1e-9,
         "{costs:?}"
     );
-    assert_eq!(
-        prompt_budget(&costs, 0, bounds, &l),
-        256.min((400.0 / 1.5) as usize)
-    );
+    assert_eq!(prompt_budget(&costs, 0, bounds, &l), 266);
     costs.observe(0, 200, 400.0);
     assert!((costs.per_prompt_token.unwrap() - 1.75).abs() < 1e-9);
     // Cheaper again: a fifth of the way down.
