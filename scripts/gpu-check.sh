@@ -23,7 +23,9 @@
 #       attention's run of the cache not asked of L2 before its wait; next: the output
 #       projection's weights asked of L2 by the attention (off by default); fuse: the
 #       output projection in the cluster attention kernel (off by default: a mat-vec of
-#       its own); chain: greedy generation with each step's arg-max feeding the next on
+#       its own); staged: the output projection's weights staged in shared memory
+#       before its wait for the attention (off by default; staged-nocarveout: without
+#       asking every kernel for the SM's largest shared memory); chain: greedy generation with each step's arg-max feeding the next on
 #       the device (the default since 2026-12-07); step: a token at a time through the
 #       host instead; lean: the bf16
 #       mat-vecs held to 64 registers a thread (8 blocks an SM); timing only (the answers
@@ -83,6 +85,8 @@ mode_env() { # mode
     noprefetch) env=(SHOAL_GPU_ATTN_PREFETCH=0) ;;
     next) env=(SHOAL_GPU_PREFETCH_NEXT=1) ;;
     fuse) env=(SHOAL_GPU_FUSE_O=1) ;;
+    staged) env=(SHOAL_GPU_STAGED=1) ;;
+    staged-nocarveout) env=(SHOAL_GPU_STAGED=1 SHOAL_GPU_CARVEOUT=0) ;;
     repeat2) env=(SHOAL_GPU_REPEAT=2) ;;
     chain) env=(SHOAL_GPU_CHAIN=1) ;;
     step) env=(SHOAL_GPU_CHAIN=0) ;;
@@ -112,9 +116,9 @@ record() { # name fields command...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 if [ "$what" = test ] || [ "$what" = all ]; then
   unpack gpu-test
-  /tmp/gpu-test --nocapture 2>&1 | tail -20 | tee "$out/gpu-test.txt"
+  /tmp/gpu-test --nocapture --test-threads=1 2>&1 | tail -20 | tee "$out/gpu-test.txt"
   # The tests' contexts are short: the attention's two-kernel path (long caches) as well.
-  SHOAL_GPU_ATTN_CLUSTER=0 /tmp/gpu-test --nocapture 2>&1 | tail -20 | tee "$out/gpu-test-nocluster.txt"
+  SHOAL_GPU_ATTN_CLUSTER=0 /tmp/gpu-test --nocapture --test-threads=1 2>&1 | tail -20 | tee "$out/gpu-test-nocluster.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   unpack shoal

@@ -29,7 +29,7 @@ unpack() { # name
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 if [ -e gpu-bin/gpu-test.xz ]; then
   unpack gpu-test
-  /tmp/gpu-test --nocapture >"$out/gpu-test.txt" 2>&1 || {
+  /tmp/gpu-test --nocapture --test-threads=1 >"$out/gpu-test.txt" 2>&1 || {
     tail -30 "$out/gpu-test.txt"
     echo "GPU tests failed: no side-by-side"
     exit 1

@@ -300,6 +300,12 @@ impl Model {
         0
     }
 
+    /// Whether the GPU decode plan stages the output projection: never without CUDA.
+    #[cfg(not(feature = "cuda"))]
+    pub fn gpu_output_staged(&self) -> bool {
+        false
+    }
+
     /// How single tokens decode on a GPU (no effect on the CPU).
     pub fn set_gpu_decode(&mut self, mode: GpuDecode) {
         self.gpu_decode = mode;

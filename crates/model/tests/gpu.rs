@@ -446,7 +446,13 @@ fn device_argmax_equals_the_host_first_index_on_ties() {
 /// Decodes `shape`'s model (f32 weights written to `dir`, loaded in bf16 on `gpu`) after a
 /// 40-token prompt for 24 tokens through the replayed graph and eagerly, and on the
 /// CPU: asserts replay equals eager and both lie within bf16 tolerance of the CPU.
-fn graph_eager_and_cpu_agree(gpu: &Compute, shape: &SyntheticShape, dir: &Path, what: &str) {
+/// Returns whether the replayed plan staged its output projection.
+fn graph_eager_and_cpu_agree(
+    gpu: &Compute,
+    shape: &SyntheticShape,
+    dir: &Path,
+    what: &str,
+) -> bool {
     let path = dir.join(format!("{what}.gguf").replace(' ', "-"));
     write_synthetic_gguf(shape, GgmlDType::F32, 9, &path).expect("write");
     let file = GgufFile::open(&path).expect("open");
@@ -460,13 +466,43 @@ fn graph_eager_and_cpu_agree(gpu: &Compute, shape: &SyntheticShape, dir: &Path, 
         m.set_gpu_decode(mode);
         m
     };
-    let graphs = decode_logits(&load(GpuDecode::Graphs), &prompt, &tokens);
+    let graphed = load(GpuDecode::Graphs);
+    let graphs = decode_logits(&graphed, &prompt, &tokens);
     let eager = decode_logits(&load(GpuDecode::Eager), &prompt, &tokens);
     let (err, scale) = max_err(&want, &graphs);
     eprintln!("{what}: graph vs CPU f32 {err:.2e} (scale {scale:.2})");
     assert_eq!(graphs, eager, "{what}: replay differs");
     assert!(err <= 8e-2 * scale, "{what}: off the CPU by {err}");
     let _ = std::fs::remove_file(&path);
+    graphed.gpu_output_staged()
+}
+
+/// A llama model of heads of 128 (`heads` in groups over `kv_heads`) and small FFN and
+/// vocabulary: the attention and the output projection at a real model's widths.
+fn wide_shape(hidden: usize, heads: usize, kv_heads: usize, layers: usize) -> SyntheticShape {
+    SyntheticShape {
+        hidden,
+        heads,
+        kv_heads,
+        head_dim: 128,
+        ffn: 1024,
+        vocab: 512,
+        layers,
+        context: 256,
+        ..SyntheticShape::tiny(Architecture::Llama)
+    }
+}
+
+/// A directory for a test's models, with the dense CPU reference and the decode variant
+/// `switch` on for the plans built after it. The variants are read from the environment
+/// when a plan is built, so the GPU tests run one at a time (`--test-threads=1`,
+/// scripts/gpu-check.sh): a plan built by another test meanwhile would see the switch.
+fn variant_dir(tag: &str, switch: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("shoal-gpu-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+    unsafe { std::env::set_var(switch, "1") };
+    dir
 }
 
 /// The attention kernel that does the output projection reads 16-byte pieces of each
@@ -477,25 +513,31 @@ fn output_projection_in_the_attention_kernel_at_wider_groups() {
     let Some(bf16_gpu) = gpu(DType::BF16) else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("shoal-gpu-wide-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
-    // The fused path is a variant (off by default); the plans below read the switch.
-    unsafe { std::env::set_var("SHOAL_GPU_FUSE_O", "1") };
+    let dir = variant_dir("wide", "SHOAL_GPU_FUSE_O");
     for (hidden, heads, kv_heads) in [(1024, 8, 2), (1536, 12, 2)] {
-        let shape = SyntheticShape {
-            hidden,
-            heads,
-            kv_heads,
-            head_dim: 128,
-            ffn: 1024,
-            vocab: 512,
-            layers: 2,
-            context: 256,
-            ..SyntheticShape::tiny(Architecture::Llama)
-        };
         let what = format!("groups of {}", heads / kv_heads * 128);
+        let shape = wide_shape(hidden, heads, kv_heads, 2);
         graph_eager_and_cpu_agree(&bf16_gpu, &shape, &dir, &what);
+    }
+}
+
+/// The output projection with its weights staged in shared memory before the wait
+/// (`SHOAL_GPU_STAGED=1`, a variant): llama-8B's o (4,096 rows of 4,096: on 132 SMs, 25
+/// of a block's 32 rows staged, the rest in registers) and qwen2.5-1.5b's (1,536 rows of
+/// 1,536, every row staged, one piece a thread).
+#[test]
+fn output_projection_staged_in_shared_memory() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    let dir = variant_dir("staged", "SHOAL_GPU_STAGED");
+    for (hidden, heads, kv_heads) in [(4096, 32, 8), (1536, 12, 2)] {
+        let what = format!("staged o of {hidden}");
+        let shape = wide_shape(hidden, heads, kv_heads, 1);
+        assert!(
+            graph_eager_and_cpu_agree(&bf16_gpu, &shape, &dir, &what),
+            "{what}: the plan did not stage the output projection"
+        );
     }
 }
 
@@ -511,15 +553,8 @@ fn long_rows_in_teams_of_eight_warps() {
     std::fs::create_dir_all(&dir).expect("dir");
     unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
     let shape = SyntheticShape {
-        hidden: 4096,
-        heads: 32,
-        kv_heads: 8,
-        head_dim: 128,
         ffn: 8192,
-        vocab: 512,
-        layers: 1,
-        context: 256,
-        ..SyntheticShape::tiny(Architecture::Llama)
+        ..wide_shape(4096, 32, 8, 1)
     };
     graph_eager_and_cpu_agree(&bf16_gpu, &shape, &dir, "rows of 8192");
 }

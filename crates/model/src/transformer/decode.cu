@@ -54,6 +54,7 @@ extern "C" __global__ void shoal_quantize_q8(const float* __restrict__ x, int n,
 }
 
 #include "decode/matvec.cuh"
+#include "decode/matvec_staged.cuh"
 #include "decode/matvec_quant.cuh"
 #include "decode/rope.cuh"
 #include "decode/attention.cuh"

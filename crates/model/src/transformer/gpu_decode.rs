@@ -42,8 +42,8 @@ pub(crate) use argmax::argmax_rows;
 use batch::BatchBufs;
 pub(super) use kernels::Arg;
 use kernels::{
-    Kernels, NORM_MAX, attention_cluster_blocks, attention_cluster_shared,
-    attention_o_cluster_shared, attention_shared, attention_splits, cfg, cluster_attr,
+    Kernels, NORM_MAX, StagedShape, attention_cluster_blocks, attention_cluster_shared,
+    attention_o_cluster_shared, attention_shared, attention_splits, cfg, cluster_attr, staged_for,
 };
 
 use variants::{Stage, Variants};
@@ -166,6 +166,8 @@ pub(crate) struct DecodePlan {
     /// The cluster attention kernel can do the output projection (the variant asks for it
     /// and the GPU schedules its clusters); a layer's bf16 projection without bias then is.
     fuse_o: bool,
+    /// How the output projection runs staged in shared memory, where it does.
+    staged_o: Option<StagedShape>,
     eps: f32,
     interleaved: i32,
     graphs: Vec<(CacheKey, CudaGraph)>,
@@ -323,6 +325,19 @@ impl DecodePlan {
                 attn_warps,
                 attention_o_cluster_shared(attn_warps, group, hd as i32),
             ) == cluster;
+        let beside = if cluster > 0 {
+            attention_cluster_shared(attn_warps, group, hd as i32)
+        } else {
+            attention_shared(attn_warps, group, hd as i32)
+        };
+        let staged_o = layers
+            .first()
+            .filter(|_| var.staged_o)
+            .filter(|_| layers.iter().all(|l| !l.o.w.is_quant() && l.o.bias == 0))
+            .and_then(|l| staged_for(&kernels.matvec_staged, &stream, l.o.rows, l.o.k, beside));
+        if staged_o.is_some() && std::env::var("SHOAL_GPU_CARVEOUT").as_deref() != Ok("0") {
+            kernels.prefer_shared();
+        }
         let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);
         let inv_freq: Vec<f32> = (0..hd / 2)
             .map(|i| 1.0 / c.rope_theta.powf(2.0 * i as f32 / hd as f32))
@@ -367,6 +382,7 @@ impl DecodePlan {
             cluster,
             cluster_max_len,
             fuse_o,
+            staged_o,
             eps: c.rms_eps,
             interleaved: i32::from(c.rope_style == RopeStyle::Interleaved),
             graphs: Vec::new(),
@@ -485,7 +501,10 @@ impl DecodePlan {
                 self.attention(qkv, (kc, vc, cache.capacity), attn, &l.o)?;
             }
             if runs(Stage::Output) && !fused {
-                self.matvec(Stage::Output, &[&l.o], attn, 0, x, x)?;
+                match self.staged_o {
+                    Some(shape) => self.matvec_staged(shape, &l.o, attn, x, x)?,
+                    None => self.matvec(Stage::Output, &[&l.o], attn, 0, x, x)?,
+                }
             }
             if l.gate.w.is_quant() {
                 self.rmsnorm(x, l.ffn_norm, h)?;

@@ -157,6 +157,13 @@ impl Model {
         }
     }
 
+    /// Whether the decode plan runs the output projection staged in shared memory
+    /// (`SHOAL_GPU_STAGED=1` where the GPU and the shape allow it); false before the plan
+    /// is built.
+    pub fn gpu_output_staged(&self) -> bool {
+        matches!(self.gpu_plan.lock().as_deref(), Ok(PlanState::Ready(plan)) if plan.staged_o.is_some())
+    }
+
     /// One decode row of each of several sequences through every layer (not the head):
     /// the projections and the FFN as candle's batched matmuls, one launch each for the
     /// whole batch, and rope, the KV append and attention on the decode kernels, every

@@ -74,6 +74,9 @@ pub(super) struct Kernels {
     /// Two rows a team (`decode.cu`'s `matvec2_bf16`).
     pub(super) matvec2_bf16: CudaFunction,
     pub(super) matvec_quant: CudaFunction,
+    /// The output projection with its weights staged in shared memory before the wait
+    /// (`decode.cu`'s `matvec_staged_bf16`), for rows of up to 2,048 and 4,096 values.
+    pub(super) matvec_staged: [CudaFunction; 2],
     pub(super) gate_up_bf16: CudaFunction,
     pub(super) qkv_rope_bf16: CudaFunction,
     pub(super) gate_up_quant: CudaFunction,
@@ -126,6 +129,10 @@ impl Kernels {
             matvec_bf16: f(&format!("shoal_matvec_bf16{variant}"))?,
             matvec2_bf16: f(&format!("shoal_matvec2_bf16{variant}"))?,
             matvec_quant: f("shoal_matvec_quant")?,
+            matvec_staged: [
+                f("shoal_matvec_staged_bf16_j1")?,
+                f("shoal_matvec_staged_bf16_j2")?,
+            ],
             gate_up_bf16: f(&format!("shoal_gate_up_bf16{variant}"))?,
             qkv_rope_bf16: f(&format!("shoal_qkv_rope_bf16{variant}"))?,
             gate_up_quant: f("shoal_gate_up_quant")?,
@@ -212,6 +219,135 @@ pub(super) fn attention_splits(
         .map_err(|e| e.to_string())?;
     let resident = (per_sm as usize * sms.max(1) as usize / nkv.max(1)).max(1);
     Ok(most.min(resident))
+}
+
+/// Threads a block of `shoal_matvec_staged_bf16` (`decode.cu`'s STAGED_THREADS), rows it
+/// reads into registers and rows it owns at most.
+pub(super) const STAGED_THREADS: i32 = 256;
+const STAGED_MAX_LOADED: i32 = 8;
+const STAGED_MAX_ROWS: i32 = 64;
+
+/// How `shoal_matvec_staged_bf16` runs a matrix: one block an SM, the rows of each it
+/// stages in shared memory, and the kernel (by pieces a thread a row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct StagedShape {
+    pub(super) blocks: u32,
+    pub(super) staged: i32,
+    /// Index into `Kernels::matvec_staged`.
+    pub(super) kernel: usize,
+}
+
+impl StagedShape {
+    pub(super) fn shared_bytes(&self, k: i32) -> u32 {
+        (self.staged * k * 2) as u32
+    }
+}
+
+/// The staged shape for a bf16 matrix of `rows` rows of `k` on a GPU of `sms` SMs whose
+/// SM holds `sm_shared` bytes of shared memory (a block at most `block_shared`), beside
+/// a block of the attention kernel taking `beside` bytes: as many rows a block staged
+/// as fit there (so the projection's blocks are resident, and their copies streaming,
+/// while the attention runs), the rest of its run in registers. None where the rows
+/// are too long or a block's run too long for the kernel.
+pub(super) fn staged_shape(
+    rows: i32,
+    k: i32,
+    sms: i32,
+    sm_shared: i32,
+    block_shared: i32,
+    beside: i32,
+) -> Option<StagedShape> {
+    let kernel = match k / 8 {
+        n if k % 8 != 0 || n == 0 => return None,
+        n if n <= STAGED_THREADS => 0,
+        n if n <= 2 * STAGED_THREADS => 1,
+        _ => return None,
+    };
+    let blocks = sms.max(1);
+    let most = (rows + blocks - 1) / blocks;
+    // Each block also keeps 1 KB for the system and ~2 KB of its own sums.
+    let room = (sm_shared - beside - 8192).min(block_shared - 4096);
+    let staged = most.min(room.max(0) / (2 * k));
+    (most <= STAGED_MAX_ROWS && most - staged <= STAGED_MAX_LOADED).then_some(StagedShape {
+        blocks: blocks as u32,
+        staged,
+        kernel,
+    })
+}
+
+/// `staged_shape` for a matrix of `rows` rows of `k` on this GPU, beside an attention
+/// block of `beside` bytes of shared memory, with the kernel's shared memory allowed;
+/// None where the kernel does not take it or the GPU refuses the size.
+pub(super) fn staged_for(
+    kernels: &[CudaFunction; 2],
+    stream: &CudaStream,
+    rows: i32,
+    k: i32,
+    beside: u32,
+) -> Option<StagedShape> {
+    use cu::CUdevice_attribute as A;
+    let ctx = stream.context();
+    let attr = |a| ctx.attribute(a).ok();
+    let shape = staged_shape(
+        rows,
+        k,
+        attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?,
+        attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+        beside as i32,
+    )?;
+    let func = kernels[shape.kernel].cu_function();
+    // SAFETY: `func` is a loaded kernel of this context; the attribute is a plain int.
+    unsafe {
+        cu::cuFuncSetAttribute(
+            func,
+            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shape.shared_bytes(k) as i32,
+        )
+    }
+    .result()
+    .ok()?;
+    Some(shape)
+}
+
+impl Kernels {
+    /// Asks every decode kernel to run with the SM's shared memory at its largest
+    /// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`): an SM changes its split of
+    /// L1 and shared memory only once drained, so a kernel that needs most of it (the
+    /// staged output projection) could not otherwise start its blocks beside the
+    /// attention that runs under a smaller split.
+    pub(super) fn prefer_shared(&self) {
+        let all = [
+            &self.rmsnorm,
+            &self.quantize,
+            &self.matvec_bf16,
+            &self.matvec2_bf16,
+            &self.matvec_quant,
+            &self.matvec_staged[0],
+            &self.matvec_staged[1],
+            &self.gate_up_bf16,
+            &self.qkv_rope_bf16,
+            &self.gate_up_quant,
+            &self.rope_append,
+            &self.attention,
+            &self.attn_merge,
+            &self.attention_cluster,
+            &self.attention_o_cluster,
+            &self.embed_token,
+            &self.argmax,
+        ];
+        for f in all {
+            // SAFETY: a loaded kernel of this context; the attribute is a percentage. A
+            // refusal only leaves the driver's choice.
+            let _ = unsafe {
+                cu::cuFuncSetAttribute(
+                    f.cu_function(),
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                )
+            };
+        }
+    }
 }
 
 /// Values of a row each thread of the RMSNorm kernel holds at most (`decode.cu`'s
@@ -344,6 +480,31 @@ pub(super) fn cluster_attr(blocks: u32) -> cu::CUlaunchAttribute {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_staged_output_projection_fills_shared_memory_beside_the_attention() {
+        // llama-8B's o on an H100: 132 SMs, 228 KB an SM, 227 KB a block, the cluster
+        // attention's ~18.6 KB beside it: 25 of a block's 32 rows staged.
+        let o = staged_shape(4096, 4096, 132, 233_472, 232_448, 19_008).unwrap();
+        assert_eq!((o.blocks, o.staged, o.kernel), (132, 25, 1));
+        assert!(o.shared_bytes(4096) as i32 + 19_008 + 8192 <= 233_472);
+        // qwen2.5-1.5b's o: 12 rows of 3 KB a block, all staged.
+        let small = staged_shape(1536, 1536, 132, 233_472, 232_448, 19_008).unwrap();
+        assert_eq!((small.staged, small.kernel), (12, 0));
+        // Rows past 4,096 values, or runs that leave more than 8 rows to registers: none.
+        assert_eq!(
+            staged_shape(4096, 14336, 132, 233_472, 232_448, 19_008),
+            None
+        );
+        assert_eq!(
+            staged_shape(8192, 4096, 132, 233_472, 232_448, 19_008),
+            None
+        );
+        assert_eq!(
+            staged_shape(4096, 4100, 132, 233_472, 232_448, 19_008),
+            None
+        );
+    }
 
     #[test]
     fn warps_a_row_by_the_matrix_shape() {

@@ -2,8 +2,8 @@
 //! `decode.cu`'s kernels takes, as `DecodePlan::record_layers` calls them.
 
 use super::kernels::{
-    OInto, QSegments, RopeInto, Segments, attention_cluster_shared, attention_o_cluster_shared,
-    attention_shared, cfg, matvec_cfg, norm_threads, split_for,
+    OInto, QSegments, RopeInto, STAGED_THREADS, Segments, StagedShape, attention_cluster_shared,
+    attention_o_cluster_shared, attention_shared, cfg, matvec_cfg, norm_threads, split_for,
 };
 use super::variants::Stage;
 use super::weights::Linear;
@@ -135,6 +135,28 @@ impl DecodePlan {
                 &[&seg, &x, &norm, &self.eps, &residual, &y, &k, &split],
             )
         }
+    }
+
+    /// `y = W x + residual` by `shoal_matvec_staged_bf16`: one block an SM, its rows'
+    /// weights asked for before the wait for the kernel ahead.
+    pub(super) fn matvec_staged(
+        &self,
+        shape: StagedShape,
+        l: &Linear,
+        x: u64,
+        residual: u64,
+        y: u64,
+    ) -> Result<()> {
+        let (w, rows, k, staged) = (l.w.ptr(), l.rows, l.k, shape.staged);
+        self.launch(
+            &self.kernels.matvec_staged[shape.kernel],
+            cfg(
+                (shape.blocks, 1),
+                STAGED_THREADS as u32,
+                shape.shared_bytes(k),
+            ),
+            &[&w, &x, &residual, &y, &rows, &k, &staged],
+        )
     }
 
     /// `ff = silu(gate norm(x)) * (up norm(x))`.

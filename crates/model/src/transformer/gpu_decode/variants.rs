@@ -63,6 +63,11 @@ pub(super) struct Variants {
     /// llama-8B bf16 tg128 after 512 ran 175.0 tok/s fused (its rows asked of L2 before
     /// the wait) against 177.9 apart: 128 blocks of 8 warps keep too few loads in flight.
     pub(super) fuse_o: bool,
+    /// The output projection stages its weights in shared memory before it waits for the
+    /// attention (`shoal_matvec_staged_bf16`), where `SHOAL_GPU_STAGED=1`. Off: on an
+    /// H100, llama-8B bf16 tg128 ran 166.4 tok/s staged against 184.8 / 184.9 without
+    /// (before `Kernels::prefer_shared`, which is not yet measured).
+    pub(super) staged_o: bool,
     /// Timing only, the results are wrong: parts of the step left out
     /// (`SHOAL_GPU_OMIT=qkv,attn,o,gate_up,down,head`), to see what each costs inside the
     /// replayed graph, where programmatic launches overlap neighbours.
@@ -99,6 +104,7 @@ impl Variants {
             attn_prefetch: on("SHOAL_GPU_ATTN_PREFETCH"),
             prefetch_next: var("SHOAL_GPU_PREFETCH_NEXT").as_deref() == Some("1"),
             fuse_o: var("SHOAL_GPU_FUSE_O").as_deref() == Some("1"),
+            staged_o: var("SHOAL_GPU_STAGED").as_deref() == Some("1"),
             omit,
             chain: on("SHOAL_GPU_CHAIN"),
             repeat: var("SHOAL_GPU_REPEAT")
