@@ -493,14 +493,22 @@ fn wide_shape(hidden: usize, heads: usize, kv_heads: usize, layers: usize) -> Sy
     }
 }
 
-/// A directory for a test's models, with the dense CPU reference and the decode variant
-/// `switch` on for the plans built after it. The variants are read from the environment
-/// when a plan is built, so the GPU tests run one at a time (`--test-threads=1`,
-/// scripts/gpu-check.sh): a plan built by another test meanwhile would see the switch.
+/// The decode variants a test switches on (`SHOAL_GPU_FUSE_O`, `SHOAL_GPU_STAGED`: two
+/// designs of the output projection, of which a plan takes the fused one).
+const VARIANTS: [&str; 2] = ["SHOAL_GPU_FUSE_O", "SHOAL_GPU_STAGED"];
+
+/// A directory for a test's models, with the dense CPU reference and, of the decode
+/// variants, `switch` alone on for the plans built after it (an earlier test's stays on
+/// otherwise). The variants are read from the environment when a plan is built, so the
+/// GPU tests run one at a time (`--test-threads=1`, scripts/gpu-check.sh): a plan built by
+/// another test meanwhile would see the switch.
 fn variant_dir(tag: &str, switch: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("shoal-gpu-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     unsafe { std::env::set_var("SHOAL_KERNELS", "dense") };
+    for other in VARIANTS {
+        unsafe { std::env::remove_var(other) };
+    }
     unsafe { std::env::set_var(switch, "1") };
     dir
 }

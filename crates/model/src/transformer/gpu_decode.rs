@@ -332,7 +332,8 @@ impl DecodePlan {
         };
         let staged_o = layers
             .first()
-            .filter(|_| var.staged_o)
+            // The fused projection and the staged one are two designs of the same stage.
+            .filter(|_| var.staged_o && !fuse_o)
             .filter(|_| layers.iter().all(|l| !l.o.w.is_quant() && l.o.bias == 0))
             .and_then(|l| staged_for(&kernels.matvec_staged, &stream, l.o.rows, l.o.k, beside));
         if staged_o.is_some() && std::env::var("SHOAL_GPU_CARVEOUT").as_deref() != Ok("0") {

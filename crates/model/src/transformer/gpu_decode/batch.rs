@@ -158,8 +158,9 @@ impl Model {
     }
 
     /// Whether the decode plan runs the output projection staged in shared memory
-    /// (`SHOAL_GPU_STAGED=1` where the GPU and the shape allow it); false before the plan
-    /// is built.
+    /// (`SHOAL_GPU_STAGED=1` where the GPU and the shape allow it and the attention
+    /// kernel does not do the projection, `SHOAL_GPU_FUSE_O`); false before the plan is
+    /// built.
     pub fn gpu_output_staged(&self) -> bool {
         matches!(self.gpu_plan.lock().as_deref(), Ok(PlanState::Ready(plan)) if plan.staged_o.is_some())
     }
