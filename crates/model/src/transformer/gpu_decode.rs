@@ -336,7 +336,7 @@ impl DecodePlan {
             .filter(|_| var.staged_o && !fuse_o)
             .filter(|_| layers.iter().all(|l| !l.o.w.is_quant() && l.o.bias == 0))
             .and_then(|l| staged_for(&kernels.matvec_staged, &stream, l.o.rows, l.o.k, beside));
-        if staged_o.is_some() && std::env::var("SHOAL_GPU_CARVEOUT").as_deref() != Ok("0") {
+        if staged_o.is_some() && var.carveout {
             kernels.prefer_shared();
         }
         let widest = c.hidden_size.max(c.ffn_size).max(nh * hd);

@@ -68,6 +68,9 @@ pub(super) struct Variants {
     /// H100, llama-8B bf16 tg128 ran 166.4 tok/s staged against 184.8 / 184.9 without
     /// (before `Kernels::prefer_shared`, which is not yet measured).
     pub(super) staged_o: bool,
+    /// With the staged projection, every decode kernel asks for the SM's largest shared
+    /// memory (`Kernels::prefer_shared`) unless `SHOAL_GPU_CARVEOUT=0`.
+    pub(super) carveout: bool,
     /// Timing only, the results are wrong: parts of the step left out
     /// (`SHOAL_GPU_OMIT=qkv,attn,o,gate_up,down,head`), to see what each costs inside the
     /// replayed graph, where programmatic launches overlap neighbours.
@@ -105,6 +108,7 @@ impl Variants {
             prefetch_next: var("SHOAL_GPU_PREFETCH_NEXT").as_deref() == Some("1"),
             fuse_o: var("SHOAL_GPU_FUSE_O").as_deref() == Some("1"),
             staged_o: var("SHOAL_GPU_STAGED").as_deref() == Some("1"),
+            carveout: on("SHOAL_GPU_CARVEOUT"),
             omit,
             chain: on("SHOAL_GPU_CHAIN"),
             repeat: var("SHOAL_GPU_REPEAT")
