@@ -25,7 +25,8 @@
 #       output projection in the cluster attention kernel (off by default: a mat-vec of
 #       its own); staged: the output projection's weights staged in shared memory
 #       before its wait for the attention (off by default; staged-nocarveout: without
-#       asking every kernel for the SM's largest shared memory); chain: greedy generation with each step's arg-max feeding the next on
+#       asking every kernel for the SM's largest shared memory); chain: greedy
+#       generation with each step's arg-max feeding the next on
 #       the device (the default since 2026-12-07); step: a token at a time through the
 #       host instead; lean: the bf16
 #       mat-vecs held to 64 registers a thread (8 blocks an SM); timing only (the answers

@@ -27,8 +27,9 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ unsigned cluster_addr(const void* p, unsigned rank) {
     unsigned out = 0;
 #if __CUDA_ARCH__ >= 900
-    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(out)
+                 : "r"(smem_addr(p)), "r"(rank));
 #endif
     return out;
 }

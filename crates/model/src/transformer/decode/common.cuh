@@ -86,6 +86,12 @@ __device__ __forceinline__ void begin_step() {
 #endif
 }
 
+// The shared-memory address (as PTX's shared-state spaces take it) of `p`, a pointer into
+// this block's shared memory.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

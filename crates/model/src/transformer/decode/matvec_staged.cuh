@@ -21,10 +21,6 @@
 // Rows a block owns at most (its per-warp sums are kept in shared memory).
 #define STAGED_MAX_ROWS 64
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
 // One mbarrier: thread 0 sets it to expect `bytes` and asks for `rows` rows of `row_bytes`
 // from `src` (rows consecutive in global memory) into `dst`.
 __device__ __forceinline__ void stage_rows(unsigned long long* bar, uint4* dst,

@@ -296,26 +296,29 @@ pub(super) fn staged_for(
         attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
         beside as i32,
     )?;
-    let func = kernels[shape.kernel].cu_function();
-    // SAFETY: `func` is a loaded kernel of this context; the attribute is a plain int.
-    unsafe {
-        cu::cuFuncSetAttribute(
-            func,
-            cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            shape.shared_bytes(k) as i32,
-        )
-    }
-    .result()
-    .ok()?;
-    Some(shape)
+    set_attribute(
+        &kernels[shape.kernel],
+        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        shape.shared_bytes(k) as i32,
+    )
+    .then_some(shape)
+}
+
+/// Sets one of kernel `f`'s attributes; false where the driver refuses it.
+fn set_attribute(f: &CudaFunction, attribute: cu::CUfunction_attribute, value: i32) -> bool {
+    // SAFETY: `f` is a loaded kernel of this context; the attributes it is given are plain
+    // ints.
+    unsafe { cu::cuFuncSetAttribute(f.cu_function(), attribute, value) }
+        .result()
+        .is_ok()
 }
 
 impl Kernels {
-    /// Asks every decode kernel to run with the SM's shared memory at its largest
-    /// (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`): an SM changes its split of
-    /// L1 and shared memory only once drained, so a kernel that needs most of it (the
-    /// staged output projection) could not otherwise start its blocks beside the
-    /// attention that runs under a smaller split.
+    /// Asks every kernel of the single-token step to run with the SM's shared memory at
+    /// its largest (`CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`): an SM changes
+    /// its split of L1 and shared memory only once drained, so a kernel that needs most
+    /// of it (the staged output projection) could not otherwise start its blocks beside
+    /// the attention that runs under a smaller split.
     pub(super) fn prefer_shared(&self) {
         let all = [
             &self.rmsnorm,
@@ -337,15 +340,12 @@ impl Kernels {
             &self.argmax,
         ];
         for f in all {
-            // SAFETY: a loaded kernel of this context; the attribute is a percentage. A
-            // refusal only leaves the driver's choice.
-            let _ = unsafe {
-                cu::cuFuncSetAttribute(
-                    f.cu_function(),
-                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                    100,
-                )
-            };
+            // A percentage; a refusal only leaves the driver's choice.
+            set_attribute(
+                f,
+                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                100,
+            );
         }
     }
 }
@@ -416,31 +416,20 @@ pub(super) fn attention_cluster_blocks(
         return 0;
     }
     let fits = |blocks: u32| -> bool {
-        let func = f.cu_function();
-        // SAFETY: `func` is a loaded kernel of this context; the attributes are plain ints.
-        unsafe {
-            if blocks > 8
-                && cu::cuFuncSetAttribute(
-                    func,
-                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                    1,
-                )
-                .result()
-                .is_err()
-            {
-                return false;
-            }
-            if cu::cuFuncSetAttribute(
-                func,
-                cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .result()
-            .is_err()
-            {
-                return false;
-            }
+        use cu::CUfunction_attribute as A;
+        if blocks > 8
+            && !set_attribute(f, A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+        {
+            return false;
         }
+        if !set_attribute(
+            f,
+            A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            shared as i32,
+        ) {
+            return false;
+        }
+        let func = f.cu_function();
         let mut attr = cluster_attr(blocks);
         let config = cu::CUlaunchConfig {
             gridDimX: 1,
