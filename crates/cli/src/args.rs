@@ -171,7 +171,7 @@ pub(crate) struct RankArgs {
     pub(crate) kv_positions: Option<usize>,
     /// Rank 0: while a prompt is read beside streaming answers, each step is kept within this
     /// many times a decode-only step (the streams' gap between tokens); 0: 256-token
-    /// prompt slices whatever they cost.
+    /// prompt slices whatever they cost. CPU ranks only: GPU ranks always take the latter.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) gap_bound: f64,
 }
@@ -208,7 +208,7 @@ pub(crate) struct NodeArgs {
     pub(crate) max_batch: usize,
     /// While a prompt is read beside streaming answers, each step is kept within this
     /// many times a decode-only step (the streams' gap between tokens); 0: 256-token
-    /// prompt slices whatever they cost.
+    /// prompt slices whatever they cost. CPU ranks only: GPU ranks always take the latter.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) gap_bound: f64,
     /// The key every API request but /health must carry (Bearer or x-api-key). Seen by
