@@ -543,17 +543,13 @@ impl<T: Transport> Rank<T> {
     /// through the node took 9.1 ms a token that way against 1.1 ms for the replay).
     /// `None` for every other step.
     fn lone_gpu_decode(&self, caches: &mut [KvCache], parts: &[Part]) -> Result<Option<Tensor>> {
-        let ([part], [cache]) = (parts, caches) else {
-            return Ok(None);
-        };
-        if self.spec.world != 1
-            || part.tokens.len() != 1
-            || part.logits == Logits::None
-            || !self.model.compute().device.is_cuda()
-        {
-            return Ok(None);
+        let on_gpu = self.model.compute().device.is_cuda();
+        match (parts, caches) {
+            ([part], [cache]) if lone_decode_row(self.spec.world, parts, on_gpu) => {
+                Ok(Some(self.model.forward(&part.tokens, cache, false)?))
+            }
+            _ => Ok(None),
         }
-        Ok(Some(self.model.forward(&part.tokens, cache, false)?))
     }
 
     /// Every rank runs its slice of every layer on the same hidden states; the partial
@@ -712,6 +708,12 @@ fn wanted_hidden(h: Tensor, parts: &[Part]) -> Result<Option<Tensor>> {
     })
 }
 
+/// Whether a step is one decode row whose logits are wanted, on a GPU rank that holds the
+/// whole model ([`Rank::lone_gpu_decode`]).
+fn lone_decode_row(world: usize, parts: &[Part], on_gpu: bool) -> bool {
+    on_gpu && world == 1 && matches!(parts, [p] if p.tokens.len() == 1 && p.logits != Logits::None)
+}
+
 /// The rows of a batch whose logits its parts want, in order.
 fn wanted_rows(parts: &[Part]) -> Vec<u32> {
     let mut rows = Vec::new();
@@ -726,4 +728,31 @@ fn wanted_rows(parts: &[Part]) -> Vec<u32> {
         at += t;
     }
     rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part(tokens: usize, logits: Logits) -> Part {
+        Part {
+            seq: 1,
+            tokens: vec![7; tokens],
+            logits,
+            reserve: 64,
+        }
+    }
+
+    #[test]
+    fn only_a_lone_decode_row_on_a_whole_model_gpu_rank_takes_the_single_token_step() {
+        let decode = part(1, Logits::Last);
+        assert!(lone_decode_row(1, std::slice::from_ref(&decode), true));
+        // A CPU rank, a split model, a prompt, two sequences, no logits wanted: the batch.
+        assert!(!lone_decode_row(1, std::slice::from_ref(&decode), false));
+        assert!(!lone_decode_row(2, std::slice::from_ref(&decode), true));
+        assert!(!lone_decode_row(1, &[part(5, Logits::Last)], true));
+        assert!(!lone_decode_row(1, &[decode.clone(), decode.clone()], true));
+        assert!(!lone_decode_row(1, &[part(1, Logits::None)], true));
+        assert!(lone_decode_row(1, &[part(1, Logits::All)], true));
+    }
 }
