@@ -170,7 +170,12 @@ impl Daemon {
     }
 
     pub(super) fn facts(model: &str) -> Result<(ModelFacts, ModelCard), String> {
-        let card = find_card(model).ok_or_else(|| format!("unknown model {model:?}"))?;
+        let card = find_card(model).ok_or_else(|| {
+            format!(
+                "unknown model {model:?}: nodes serve the models `shoal models` lists \
+                 (a file of your own runs on one machine with `shoal run -m FILE`)"
+            )
+        })?;
         Ok((
             ModelFacts {
                 name: card.name.clone(),
