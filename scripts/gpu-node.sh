@@ -7,7 +7,7 @@
 # store checks the marker and the size; the runner reads the GGUF, whose tensors end
 # before the padding).
 # Expects gpu-bin/shoal.xz (scripts/build-cuda.sh) carried, or /tmp/shoal; writes
-# $OUT/node.log, bench-node.txt, steps.txt, status.txt, metrics.txt.
+# $OUT/node.log, bench-node.txt, steps.txt, ways.txt, status.txt, metrics.txt.
 #   CONCURRENCY (default 1,8,32), REPEAT (default 2)
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -48,3 +48,8 @@ sed 's/\x1b\[[0-9;]*m//g' "$out/node.log" | grep " step decoding=" | awk '{
   p = v["prompt_tokens"]; b = p == 0 ? "0" : p <= 4 ? "1-4" : p <= 64 ? "5-64" : ">64"
   k = v["decoding"] " decode rows, " b " prompt tokens"; n[k]++; s[k] += v["ms"]
 } END { for (k in n) printf "%s: %d steps, %.2f ms\n", k, n[k], s[k] / n[k] }' | sort -n | tee "$out/steps.txt"
+# Steps of decode rows only, by the way the rank ran them (`DecodeWays`): how many, mean ms.
+sed 's/\x1b\[[0-9;]*m//g' "$out/node.log" | grep "decode rows on the GPU" | awk '{
+  for (i = 1; i <= NF; i++) { split($i, a, "="); v[a[1]] = a[2] }
+  k = v["way"] " of " v["rows"] " rows"; n[k]++; s[k] += v["ms"]
+} END { for (k in n) printf "%s: %d steps, %.2f ms\n", k, n[k], s[k] / n[k] }' | sort -k3n | tee "$out/ways.txt"

@@ -243,6 +243,62 @@ fn graph_replay_equals_eager_decoding_and_the_cpu() {
     }
 }
 
+/// More sequences than a handful, each stepped by the single-token step in turn (as a
+/// serving rank replays one graph per sequence): every graph is keyed by its sequence's
+/// cache, so each sequence's logits are exactly what it makes decoding alone, whatever
+/// was replayed between its tokens and however many graphs are kept.
+#[test]
+fn interleaved_sequences_replay_each_their_own_graph() {
+    let Some(bf16_gpu) = gpu(DType::BF16) else {
+        return;
+    };
+    const SEQUENCES: usize = 10;
+    const STEPS: usize = 12;
+    let prompt = |s: usize| -> Vec<u32> {
+        (0..5 + 7 * s)
+            .map(|i| ((i * 37 + s * 101 + 11) % 500) as u32)
+            .collect()
+    };
+    let feed = |s: usize, k: usize| ((s * 53 + k * 29 + 7) % 500) as u32;
+    for (arch, wt, file, spec) in decode_models("interleave", 9) {
+        if wt != GgmlDType::Q4K && wt != GgmlDType::F32 {
+            continue;
+        }
+        let model = Model::load_on(&file, spec.clone(), 256, &bf16_gpu).expect("gpu");
+        let alone: Vec<Vec<Vec<f32>>> = (0..SEQUENCES)
+            .map(|s| {
+                decode_logits(
+                    &model,
+                    &prompt(s),
+                    &(0..STEPS).map(|k| feed(s, k)).collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        let mut caches: Vec<_> = (0..SEQUENCES)
+            .map(|s| {
+                let mut c = model.new_cache();
+                model.forward(&prompt(s), &mut c, false).expect("prefill");
+                c
+            })
+            .collect();
+        let mut together = vec![Vec::new(); SEQUENCES];
+        for k in 0..STEPS {
+            for (s, cache) in caches.iter_mut().enumerate() {
+                let l = model.forward(&[feed(s, k)], cache, false).expect("decode");
+                together[s].push(rows(&l).pop().expect("a row"));
+            }
+        }
+        for s in 0..SEQUENCES {
+            assert_eq!(
+                together[s],
+                alone[s],
+                "{} {wt:?}: sequence {s} interleaved differs from alone",
+                arch.name()
+            );
+        }
+    }
+}
+
 /// A long prompt on the GPU's many-row kernels (attention probabilities causal by
 /// position in one kernel, rows to heads with bias and rope, SiLU·up) and, from 128 rows
 /// a product, GGUF blocks dequantized to bf16 for cuBLAS: a 150-token chunk then a

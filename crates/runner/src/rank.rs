@@ -12,8 +12,10 @@ use shoal_model::{BatchPart, KvCache, Model, ModelError, ShardLinks, zigzag_piec
 use crate::shard::{ShardSpec, Strategy};
 use crate::step::{Logits, Part, Step};
 
+mod decode_ways;
 mod devices;
 
+use decode_ways::{DecodeWay, DecodeWays};
 use devices::{DeviceFacts, Reductions, reductions};
 
 /// Why a rank stopped or a step failed.
@@ -45,6 +47,10 @@ pub type Result<T, E = RankError> = std::result::Result<T, E>;
 /// requests; a dead or frozen rank 0 is still noticed in seconds by the heartbeats.
 pub const IDLE_WAIT: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// The long prompt a GPU rank reads before it says it is ready ([`Rank::warm_up`]): past
+/// the 128 rows from which a prompt's products take the dequantize-and-cuBLAS path.
+const WARM_LONG_PROMPT: usize = 160;
+
 /// What rank 0 still has to do for a step it started: a pipeline's rank 0 sends the
 /// hidden rows on and is free for the next micro-batch while the later stages work.
 #[derive(Debug)]
@@ -64,6 +70,8 @@ pub struct Rank<T: Transport> {
     group: Group<T>,
     /// NCCL between the GPUs of one machine, when every rank computes on one of them.
     gpus: Option<Gpus>,
+    /// On a GPU rank that holds the whole model: what steps of decode rows cost each way.
+    ways: DecodeWays,
 }
 
 /// An NCCL communicator with its watchdog; a build without NCCL has none.
@@ -159,6 +167,7 @@ impl<T: Transport> Rank<T> {
             caches: HashMap::new(),
             group,
             gpus: None,
+            ways: DecodeWays::default(),
         })
     }
 
@@ -204,16 +213,23 @@ impl<T: Transport> Rank<T> {
     }
 
     /// On a GPU rank that holds the whole model, runs each kind of step once on scratch
-    /// caches — a prompt, a lone decode row (its captured graph), a batch of a prompt
-    /// slice beside a decode row — before the runner says it is ready. The driver compiles
-    /// a kernel module's PTX on its first use: on a fresh H100 the first request through a
-    /// node waited 35 s in its first step, and a later first mixed step 3.8 s. Elsewhere
-    /// (a CPU, a split model, whose steps need the other ranks) nothing is run.
+    /// caches — a prompt long enough for the many-row path (GGUF blocks dequantized for
+    /// cuBLAS from 128 rows), a short one, a lone decode row (its captured graph), a batch
+    /// of a prompt slice beside a decode row — before the runner says it is ready. The
+    /// driver compiles a kernel module's PTX on its first use, and cuBLAS sets itself up
+    /// on its first product: on a fresh H100 the first request through a node waited 35 s
+    /// in its first step, and a later first mixed step 3.8 s; on an H200, with only short
+    /// prompts warmed, the first step of four 64-token prompts took 1.6 s. Elsewhere (a
+    /// CPU, a split model, whose steps need the other ranks) nothing is run.
     pub fn warm_up(&self) -> Result<()> {
         if self.spec.world != 1 || !self.model.compute().device.is_cuda() {
             return Ok(());
         }
         let started = std::time::Instant::now();
+        let long = WARM_LONG_PROMPT.min(self.model.max_len().saturating_sub(2));
+        let tokens: Vec<u32> = (0..long as u32).map(|i| 1 + i % 64).collect();
+        self.model
+            .forward(&tokens, &mut self.model.new_cache(), false)?;
         let mut cache = self.model.new_cache();
         self.model
             .forward(&[1, 2, 3, 4, 5, 6, 7, 8], &mut cache, false)?;
@@ -500,7 +516,12 @@ impl<T: Transport> Rank<T> {
     /// sent its layers' output on: it can start the next micro-batch meanwhile.
     fn forward_pipeline(&mut self, caches: &mut [KvCache], parts: &[Part]) -> Result<Pending> {
         let (r, n) = (self.spec.rank, self.spec.world);
-        if let Some(logits) = self.lone_gpu_decode(caches, parts)? {
+        let on_gpu = self.model.compute().device.is_cuda();
+        let decode = decode_rows(n, parts, on_gpu).map(|rows| (rows, self.ways.choose(rows)));
+        let started = std::time::Instant::now();
+        if let Some((rows, DecodeWay::Replays)) = decode {
+            let logits = self.replay_rows(caches, parts)?;
+            self.learn_step(DecodeWay::Replays, rows, started)?;
             return Ok(Pending::Done(Some(logits)));
         }
         let t: usize = parts.iter().map(|p| p.tokens.len()).sum();
@@ -529,7 +550,11 @@ impl<T: Transport> Rank<T> {
             });
         }
         if r == 0 {
-            return Ok(Pending::Done(self.head_rows(h, parts)?));
+            let logits = self.head_rows(h, parts)?;
+            if let Some((rows, way)) = decode {
+                self.learn_step(way, rows, started)?;
+            }
+            return Ok(Pending::Done(logits));
         }
         if let Some(h) = wanted_hidden(h, parts)? {
             self.group.send(0, &to_bytes(&h)?)?;
@@ -537,19 +562,32 @@ impl<T: Transport> Rank<T> {
         Ok(Pending::Done(None))
     }
 
-    /// A step of one decode row on a GPU rank that holds the whole model: the model's
-    /// single-token step (its captured graph, one replay) rather than the batched path,
-    /// whose projections are candle's launches (on an H100, a qwen2.5-1.5b Q4_K stream
-    /// through the node took 9.1 ms a token that way against 1.1 ms for the replay).
-    /// `None` for every other step.
-    fn lone_gpu_decode(&self, caches: &mut [KvCache], parts: &[Part]) -> Result<Option<Tensor>> {
-        let on_gpu = self.model.compute().device.is_cuda();
-        match (parts, caches) {
-            ([part], [cache]) if lone_decode_row(self.spec.world, parts, on_gpu) => {
-                Ok(Some(self.model.forward(&part.tokens, cache, false)?))
-            }
-            _ => Ok(None),
-        }
+    /// Each decode row through the model's single-token step (its captured graph, one
+    /// replay a row) rather than the batched pass, whose projections are candle's launches
+    /// (on an H100, a qwen2.5-1.5b Q4_K stream through the node took 9.1 ms a token that
+    /// way against 1.1 ms for the replay). The logits rows in part order.
+    fn replay_rows(&self, caches: &mut [KvCache], parts: &[Part]) -> Result<Tensor> {
+        let rows = parts
+            .iter()
+            .zip(caches)
+            .map(|(p, cache)| self.model.forward(&p.tokens, cache, false))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    /// Waits for a step of decode rows to finish on the device and learns its cost (the
+    /// wait costs nothing: the logits are read right after).
+    fn learn_step(
+        &mut self,
+        way: DecodeWay,
+        rows: usize,
+        started: std::time::Instant,
+    ) -> Result<()> {
+        self.model.compute().device.synchronize()?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        self.ways.observe(way, rows, ms);
+        tracing::debug!(?way, rows, ms, "decode rows on the GPU");
+        Ok(())
     }
 
     /// Every rank runs its slice of every layer on the same hidden states; the partial
@@ -708,10 +746,12 @@ fn wanted_hidden(h: Tensor, parts: &[Part]) -> Result<Option<Tensor>> {
     })
 }
 
-/// Whether a step is one decode row whose logits are wanted, on a GPU rank that holds the
-/// whole model ([`Rank::lone_gpu_decode`]).
-fn lone_decode_row(world: usize, parts: &[Part], on_gpu: bool) -> bool {
-    on_gpu && world == 1 && matches!(parts, [p] if p.tokens.len() == 1 && p.logits != Logits::None)
+/// How many rows a step has when it is decode rows only (one token each, logits wanted)
+/// on a GPU rank that holds the whole model, which then chooses how to run them
+/// ([`DecodeWays`]); `None` for every other step.
+fn decode_rows(world: usize, parts: &[Part], on_gpu: bool) -> Option<usize> {
+    let decoding = |p: &Part| p.tokens.len() == 1 && p.logits != Logits::None;
+    (on_gpu && world == 1 && !parts.is_empty() && parts.iter().all(decoding)).then_some(parts.len())
 }
 
 /// The rows of a batch whose logits its parts want, in order.
@@ -744,15 +784,24 @@ mod tests {
     }
 
     #[test]
-    fn only_a_lone_decode_row_on_a_whole_model_gpu_rank_takes_the_single_token_step() {
+    fn only_decode_rows_on_a_whole_model_gpu_rank_choose_their_way() {
         let decode = part(1, Logits::Last);
-        assert!(lone_decode_row(1, std::slice::from_ref(&decode), true));
-        // A CPU rank, a split model, a prompt, two sequences, no logits wanted: the batch.
-        assert!(!lone_decode_row(1, std::slice::from_ref(&decode), false));
-        assert!(!lone_decode_row(2, std::slice::from_ref(&decode), true));
-        assert!(!lone_decode_row(1, &[part(5, Logits::Last)], true));
-        assert!(!lone_decode_row(1, &[decode.clone(), decode.clone()], true));
-        assert!(!lone_decode_row(1, &[part(1, Logits::None)], true));
-        assert!(lone_decode_row(1, &[part(1, Logits::All)], true));
+        assert_eq!(decode_rows(1, std::slice::from_ref(&decode), true), Some(1));
+        assert_eq!(
+            decode_rows(1, &[decode.clone(), part(1, Logits::All)], true),
+            Some(2)
+        );
+        // A CPU rank, a split model, a prompt among them, no logits wanted, nothing: the batch.
+        assert_eq!(decode_rows(1, std::slice::from_ref(&decode), false), None);
+        assert_eq!(decode_rows(2, std::slice::from_ref(&decode), true), None);
+        assert_eq!(
+            decode_rows(1, &[decode.clone(), part(5, Logits::Last)], true),
+            None
+        );
+        assert_eq!(
+            decode_rows(1, &[decode.clone(), part(1, Logits::None)], true),
+            None
+        );
+        assert_eq!(decode_rows(1, &[], true), None);
     }
 }

@@ -49,8 +49,11 @@ use kernels::{
 use variants::{Stage, Variants};
 use weights::{Linear, linear, norm_ptr, tensor_ptr};
 
-/// Graphs kept (one per KV cache the model decoded into lately).
-const GRAPHS_KEPT: usize = 4;
+/// Graphs kept, one per KV cache the model decoded into lately, the least recently used
+/// dropped first: a serving rank replays a graph per sequence when that is cheaper than
+/// the batched pass, so this many concurrent sequences keep theirs (a graph is a few
+/// hundred kernel nodes; capturing one again costs milliseconds).
+const GRAPHS_KEPT: usize = 64;
 
 fn gpu_err(e: impl std::fmt::Display) -> ModelError {
     ModelError::Invalid(format!("GPU decode: {e}"))
@@ -421,7 +424,11 @@ impl DecodePlan {
             return Ok(self.bufs.logits.copy()?);
         }
         let at = match self.graphs.iter().position(|(k, _)| *k == cache) {
-            Some(i) => i,
+            Some(i) => {
+                let used = self.graphs.remove(i);
+                self.graphs.push(used);
+                self.graphs.len() - 1
+            }
             None => {
                 let graph = self.capture_with(|| self.record(&cache))?;
                 if self.graphs.len() == GRAPHS_KEPT {
