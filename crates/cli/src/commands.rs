@@ -249,12 +249,15 @@ fn serve_rank_inner(args: &RankArgs, control: Option<&Link>) -> Result<()> {
     let Some(control) = control else {
         bail!("rank 0 without --control has nothing to answer");
     };
+    let lone_rows_alike = rank.model().lone_rows_alike();
     let model = SplitModel::new(rank);
     let inbox = control.inbox().context("the control inbox was taken")?;
     let mut config = ServeConfig {
         gap_bound,
         ..ServeConfig::new(engine.context_length(), args.max_batch)
     };
+    // One rank's kernels are known here; a split's other ranks may be other machines.
+    config.limits.lone_prompt_rows = world == 1 && lone_rows_alike;
     if let Some(pool) = args.kv_positions {
         config = config.with_kv_positions(pool, engine.context_length());
     }

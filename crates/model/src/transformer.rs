@@ -312,6 +312,14 @@ impl Model {
     }
 
     /// Where and in which type this model computes.
+    /// Whether a lone row computes as it does among a prompt's rows, so that a prompt may
+    /// be read in slices of one row and give what it gives read whole: on a CPU whose
+    /// kernels compute prompt and decode rows alike; not on a GPU, where a lone row takes
+    /// the single-token kernels.
+    pub fn lone_rows_alike(&self) -> bool {
+        self.rows_round_alike && !self.compute.device.is_cuda()
+    }
+
     pub fn compute(&self) -> &Compute {
         &self.compute
     }

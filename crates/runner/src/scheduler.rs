@@ -30,6 +30,11 @@ pub struct Limits {
     /// Steps in flight at once: a pipeline's stages, each on a micro-batch of its own
     /// (1: every step runs on all ranks together).
     pub stages: usize,
+    /// Whether a prompt's lone row computes as its rows do together, so that a slice may
+    /// be one row ([`whole_rows`] otherwise): true where the ranks' kernels compute a
+    /// decode row and a prompt row alike (a CPU with AVX-512 VNNI, AVX2 in the lane
+    /// layout), false on a GPU (a lone row takes the single-token kernels) and on AMX.
+    pub lone_prompt_rows: bool,
 }
 
 /// A request waiting for admission.
@@ -207,15 +212,16 @@ pub fn next_step(running: &[Running], limits: &Limits, prompt_tokens: usize) -> 
         give(&mut lens[i], want, &mut left);
     }
     let oldest_len = lens[later.len()];
+    let lone = limits.lone_prompt_rows;
     if oldest_len > 0 {
-        work.push(slice(oldest, oldest_len));
+        work.push(slice(oldest, oldest_len, lone));
     }
     work.extend(
         later
             .iter()
             .zip(&lens)
             .filter(|(_, len)| **len > 0)
-            .map(|(r, len)| slice(r, *len)),
+            .map(|(r, len)| slice(r, *len, lone)),
     );
     work
 }
@@ -228,9 +234,14 @@ fn give(len: &mut usize, want: usize, cap: &mut usize) -> usize {
     n
 }
 
-/// `r`'s next `len` prompt tokens, made [`whole_rows`].
-fn slice(r: &Running, len: usize) -> Work {
-    let len = whole_rows(len, r.prompt - r.prefilled);
+/// `r`'s next `len` prompt tokens, made [`whole_rows`] unless a lone row is as good.
+fn slice(r: &Running, len: usize, lone_rows: bool) -> Work {
+    let left = r.prompt - r.prefilled;
+    let len = if lone_rows {
+        len.min(left)
+    } else {
+        whole_rows(len, left)
+    };
     Work::Prefill {
         id: r.id,
         start: r.prefilled,

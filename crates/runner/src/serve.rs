@@ -50,6 +50,7 @@ impl ServeConfig {
                 kv_positions: context.saturating_mul(max_batch),
                 max_queue: 4 * max_batch.max(16),
                 stages: 1,
+                lone_prompt_rows: false,
             },
             prefix_positions: 4 * context,
             gap_bound: 2.0,

@@ -9,6 +9,7 @@ fn limits() -> Limits {
         kv_positions: 1000,
         max_queue: 8,
         stages: 1,
+        lone_prompt_rows: false,
     }
 }
 
@@ -513,6 +514,50 @@ fn no_prompt_row_is_read_alone_unless_the_prompt_is_one_token() {
                 last: false
             }
         ]
+    );
+}
+
+#[test]
+fn where_a_lone_row_computes_alike_a_prompt_slice_may_be_one_row() {
+    let l = Limits {
+        lone_prompt_rows: true,
+        ..limits()
+    };
+    // Beside a stream a one-token budget reads one row (the gap bound's smallest step:
+    // on a 2-core CPU a second prompt row costs a third of a decode step more).
+    let r = [running(1, 4, 4), running(2, 100, 0)];
+    assert_eq!(
+        next_step(&r, &l, 1),
+        vec![
+            Work::Decode { id: 1 },
+            Work::Prefill {
+                id: 2,
+                start: 0,
+                len: 1,
+                last: false
+            }
+        ]
+    );
+    // A slice may leave one row, and the last row may be read alone.
+    let r = [running(1, 4, 4), running(2, 100, 96)];
+    assert_eq!(
+        next_step(&r, &l, 3)[1],
+        Work::Prefill {
+            id: 2,
+            start: 96,
+            len: 3,
+            last: false
+        }
+    );
+    let r = [running(1, 4, 4), running(2, 100, 99)];
+    assert_eq!(
+        next_step(&r, &l, 3)[1],
+        Work::Prefill {
+            id: 2,
+            start: 99,
+            len: 1,
+            last: true
+        }
     );
 }
 
