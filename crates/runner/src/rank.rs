@@ -213,14 +213,16 @@ impl<T: Transport> Rank<T> {
     }
 
     /// On a GPU rank that holds the whole model, runs each kind of step once on scratch
-    /// caches — a prompt long enough for the many-row path (GGUF blocks dequantized for
-    /// cuBLAS from 128 rows), a short one, a lone decode row (its captured graph), a batch
-    /// of a prompt slice beside a decode row — before the runner says it is ready. The
-    /// driver compiles a kernel module's PTX on its first use, and cuBLAS sets itself up
-    /// on its first product: on a fresh H100 the first request through a node waited 35 s
-    /// in its first step, and a later first mixed step 3.8 s; on an H200, with only short
-    /// prompts warmed, the first step of four 64-token prompts took 1.6 s. Elsewhere (a
-    /// CPU, a split model, whose steps need the other ranks) nothing is run.
+    /// caches before the runner says it is ready: a prompt long enough for the many-row
+    /// path (GGUF blocks dequantized for cuBLAS from 128 rows), a short one, a lone decode
+    /// row (its captured graph), and a decode row beside a short and beside a long prompt
+    /// slice. The driver compiles a kernel module's PTX on its first use, and cuBLAS sets
+    /// itself up on its first product, inside whichever request comes first otherwise: on
+    /// a fresh H100 the first step through a node waited 35 s; with only short prompts
+    /// warmed, the first step of four 64-token prompts took 1.6 s on an H200; with no
+    /// long slice beside a decode row warmed, such a first step took 3.9 s on an H100
+    /// (whose warm-up itself took 42.6 s). Elsewhere (a CPU, a split model, whose steps
+    /// need the other ranks) nothing is run.
     pub fn warm_up(&self) -> Result<()> {
         if self.spec.world != 1 || !self.model.compute().device.is_cuda() {
             return Ok(());
@@ -233,22 +235,24 @@ impl<T: Transport> Rank<T> {
         let mut cache = self.model.new_cache();
         self.model
             .forward(&[1, 2, 3, 4, 5, 6, 7, 8], &mut cache, false)?;
-        let mut beside = cache.clone();
+        let beside = cache.clone();
         self.model.forward(&[9], &mut cache, false)?;
-        let mut fresh = self.model.new_cache();
-        let h = self.model.embed(&[1, 2, 9])?;
-        let mut parts = [
-            BatchPart {
-                cache: &mut fresh,
-                rows: 2,
-            },
-            BatchPart {
-                cache: &mut beside,
-                rows: 1,
-            },
-        ];
-        let h = self.model.forward_layers_batch(h, &mut parts, None)?;
-        self.model.head_each(&h)?;
+        for prompt in [&tokens[..2], &tokens[..]] {
+            let (mut fresh, mut beside) = (self.model.new_cache(), beside.clone());
+            let h = self.model.embed(&[prompt, &[9]].concat())?;
+            let mut parts = [
+                BatchPart {
+                    cache: &mut fresh,
+                    rows: prompt.len(),
+                },
+                BatchPart {
+                    cache: &mut beside,
+                    rows: 1,
+                },
+            ];
+            let h = self.model.forward_layers_batch(h, &mut parts, None)?;
+            self.model.head_each(&h)?;
+        }
         tracing::info!(
             ms = started.elapsed().as_millis() as u64,
             "kernels warmed up before the first request"
