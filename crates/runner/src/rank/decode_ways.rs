@@ -41,6 +41,17 @@ struct Size {
     probe_every: u32,
 }
 
+impl Size {
+    /// Steps between probes now.
+    fn every(&self) -> u32 {
+        if self.probe_every == 0 {
+            PROBE_FIRST
+        } else {
+            self.probe_every
+        }
+    }
+}
+
 /// Step costs learned by the rank, and the choice they imply.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DecodeWays {
@@ -116,12 +127,7 @@ impl DecodeWays {
     /// or one that drifted with the context does not decide forever.
     fn probe_the_other(&self, rows: usize) -> Option<DecodeWay> {
         let size = self.size(rows);
-        let every = if size.probe_every == 0 {
-            PROBE_FIRST
-        } else {
-            size.probe_every
-        };
-        if size.since_probe + 1 < every {
+        if size.since_probe + 1 < size.every() {
             return None;
         }
         Some(match self.cheaper(rows)? {
@@ -148,11 +154,7 @@ impl DecodeWays {
         }
         let after = self.cheaper(rows);
         let size = self.size_mut(rows);
-        let every = if size.probe_every == 0 {
-            PROBE_FIRST
-        } else {
-            size.probe_every
-        };
+        let every = size.every();
         // A step the way the costs did not favour was a probe: it either confirmed the
         // choice (look again later) or overturned it (look again soon).
         let probed = before.is_some_and(|b| b != way);
