@@ -237,7 +237,7 @@ impl<T: Transport> Rank<T> {
             .forward(&[1, 2, 3, 4, 5, 6, 7, 8], &mut cache, false)?;
         let beside = cache.clone();
         self.model.forward(&[9], &mut cache, false)?;
-        for prompt in [&tokens[..2], &tokens[..]] {
+        for prompt in [&[1, 2][..], &tokens[..]] {
             let (mut fresh, mut beside) = (self.model.new_cache(), beside.clone());
             let h = self.model.embed(&[prompt, &[9]].concat())?;
             let mut parts = [
