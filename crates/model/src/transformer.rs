@@ -311,7 +311,6 @@ impl Model {
         self.gpu_decode = mode;
     }
 
-    /// Where and in which type this model computes.
     /// Whether a lone row computes as it does among a prompt's rows, so that a prompt may
     /// be read in slices of one row and give what it gives read whole: on a CPU whose
     /// kernels compute prompt and decode rows alike; not on a GPU, where a lone row takes
@@ -320,6 +319,7 @@ impl Model {
         self.rows_round_alike && !self.compute.device.is_cuda()
     }
 
+    /// Where and in which type this model computes.
     pub fn compute(&self) -> &Compute {
         &self.compute
     }
