@@ -31,23 +31,22 @@ const PROBE_FIRST: u32 = 8;
 const PROBE_MOST: u32 = 1024;
 
 /// What one row count has learned of the batched pass, and when it next looks again.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Size {
     /// Milliseconds a batched step of this many rows takes.
     batch: Option<f64>,
     /// Steps of this size since the way not taken was last measured.
     since_probe: u32,
-    /// Steps between probes (0: not yet set, [`PROBE_FIRST`]).
+    /// Steps between probes.
     probe_every: u32,
 }
 
-impl Size {
-    /// Steps between probes now.
-    fn every(&self) -> u32 {
-        if self.probe_every == 0 {
-            PROBE_FIRST
-        } else {
-            self.probe_every
+impl Default for Size {
+    fn default() -> Self {
+        Self {
+            batch: None,
+            since_probe: 0,
+            probe_every: PROBE_FIRST,
         }
     }
 }
@@ -127,7 +126,7 @@ impl DecodeWays {
     /// or one that drifted with the context does not decide forever.
     fn probe_the_other(&self, rows: usize) -> Option<DecodeWay> {
         let size = self.size(rows);
-        if size.since_probe + 1 < size.every() {
+        if size.since_probe + 1 < size.probe_every {
             return None;
         }
         Some(match self.cheaper(rows)? {
@@ -154,20 +153,18 @@ impl DecodeWays {
         }
         let after = self.cheaper(rows);
         let size = self.size_mut(rows);
-        let every = size.every();
         // A step the way the costs did not favour was a probe: it either confirmed the
         // choice (look again later) or overturned it (look again soon).
         let probed = before.is_some_and(|b| b != way);
         if probed {
             size.since_probe = 0;
             size.probe_every = if after == before {
-                (every * 2).min(PROBE_MOST)
+                (size.probe_every * 2).min(PROBE_MOST)
             } else {
                 PROBE_FIRST
             };
         } else {
             size.since_probe = size.since_probe.saturating_add(1);
-            size.probe_every = every;
         }
     }
 }
