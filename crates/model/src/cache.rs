@@ -25,16 +25,18 @@ fn zeros(shape: (usize, usize, usize), dtype: DType, device: &Device) -> Result<
 /// decode step's attention reads, which at a few hundred positions are more than the
 /// weights of a small model; the row attention widens them exactly as it loads them),
 /// unless `SHOAL_KV=f32` or the kernels are the dense reference (`SHOAL_KERNELS=dense`,
-/// which rounds no activation); elsewhere the compute type itself.
+/// which rounds no activation); `SHOAL_KV=q8` keeps them in 8 bits (`U8`: the rows of
+/// [`crate::kv8`]); elsewhere the compute type itself.
 pub fn kv_dtype(device: &Device, dtype: DType) -> DType {
-    let f32_asked = || {
-        std::env::var("SHOAL_KV").is_ok_and(|v| v == "f32")
-            || crate::KernelChoice::from_env() == crate::KernelChoice::Dense
-    };
-    if device.is_cpu() && dtype == DType::F32 && !f32_asked() {
-        DType::F16
-    } else {
-        dtype
+    let asked = std::env::var("SHOAL_KV").ok();
+    let dense = crate::KernelChoice::from_env() == crate::KernelChoice::Dense;
+    if !device.is_cpu() || dtype != DType::F32 || dense {
+        return dtype;
+    }
+    match asked.as_deref() {
+        Some("f32") => DType::F32,
+        Some("q8") => DType::U8,
+        _ => DType::F16,
     }
 }
 
@@ -170,13 +172,43 @@ impl KvCache {
         let cache = slot
             .as_ref()
             .ok_or_else(|| crate::ModelError::Invalid("KV cache slot was not allocated".into()))?;
-        cache
-            .k
-            .slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
-        cache
-            .v
-            .slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, self.len)?;
+        cache.k.slice_set(&self.as_kept(k)?, 1, self.len)?;
+        cache.v.slice_set(&self.as_kept(v)?, 1, self.len)?;
         Ok((cache.k.narrow(1, 0, needed)?, cache.v.narrow(1, 0, needed)?))
+    }
+
+    /// Keys or values `(num_kv_heads, t, head_dim)` as the storage keeps them.
+    fn as_kept(&self, x: &Tensor) -> Result<Tensor> {
+        if self.dtype == DType::U8 {
+            return crate::kv8::quantize(x);
+        }
+        Ok(x.to_dtype(self.dtype)?.contiguous()?)
+    }
+
+    /// What keys or values `x` read back from this cache would be, in `x`'s own type (ring
+    /// attention attends to a chunk's keys and values as its cache will keep them).
+    pub(crate) fn round_trip(&self, x: &Tensor) -> Result<Tensor> {
+        if self.dtype == DType::U8 {
+            return Ok(crate::kv8::dequantize(&crate::kv8::quantize(x)?)?.to_dtype(x.dtype())?);
+        }
+        Ok(x.to_dtype(self.dtype)?.to_dtype(x.dtype())?)
+    }
+
+    /// Stored keys or values (as [`KvCache::stored`] gives them) as values of `dtype`.
+    pub(crate) fn widened(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        if self.dtype == DType::U8 {
+            return Ok(crate::kv8::dequantize(x)?.to_dtype(dtype)?);
+        }
+        Ok(x.to_dtype(dtype)?)
+    }
+
+    /// Elements of storage a row of `hd` values takes (8-bit rows carry their scale).
+    fn row_width(&self, hd: usize) -> usize {
+        if self.dtype == DType::U8 {
+            crate::kv8::row_bytes(hd)
+        } else {
+            hd
+        }
     }
 
     /// Makes `layer`'s storage hold at least `needed` positions, keeping what is stored:
@@ -184,6 +216,7 @@ impl KvCache {
     fn grow(&mut self, layer: usize, n_kv: usize, hd: usize, needed: usize) -> Result<()> {
         let (len, reserve, max_len) = (self.len, self.reserve, self.max_len);
         let (dtype, device) = (self.dtype, self.device.clone());
+        let width = self.row_width(hd);
         let slot = layer
             .checked_sub(self.first_layer)
             .and_then(|i| self.layers.get_mut(i))
@@ -199,8 +232,8 @@ impl KvCache {
             .max(reserve)
             .clamp(64, max_len.max(needed));
         let fresh = LayerCache {
-            k: zeros((n_kv, new_cap, hd), dtype, &device)?,
-            v: zeros((n_kv, new_cap, hd), dtype, &device)?,
+            k: zeros((n_kv, new_cap, width), dtype, &device)?,
+            v: zeros((n_kv, new_cap, width), dtype, &device)?,
         };
         if let Some(old) = slot.as_ref().filter(|_| len > 0) {
             fresh
@@ -328,6 +361,51 @@ mod tests {
         let got = sk.to_dtype(DType::F32).expect("f32");
         assert_eq!(values(&got, 70), want);
         assert_eq!(cache.size_in_bytes(), 2 * n_kv * 128 * hd * 2);
+    }
+
+    #[test]
+    fn an_8_bit_cache_keeps_rows_with_their_scales_and_gives_back_what_it_rounds_to() {
+        let (n_kv, hd) = (2, 16);
+        let mut cache = KvCache::new_on(0, 1, 500, &Device::Cpu, DType::U8);
+        let k = Tensor::randn(0f32, 3.0, (n_kv, 70, hd), &Device::Cpu).expect("k");
+        for (start, len) in [(0, 10), (10, 60)] {
+            let part = k.narrow(1, start, len).expect("part");
+            cache.append(0, &part, &part).expect("append");
+            cache.advance(len);
+        }
+        let (sk, sv) = cache.stored(0).expect("stored").expect("some");
+        assert_eq!(sk.dims3().expect("dims"), (n_kv, 70, hd + 4));
+        assert_eq!(sv.dtype(), DType::U8);
+        // 68 of 128 bytes a row in f16's place: 20 against 32 at this head size.
+        assert_eq!(cache.size_in_bytes(), 2 * n_kv * 128 * (hd + 4));
+        let back = cache.widened(&sk, DType::F32).expect("widen");
+        let rounded = cache.round_trip(&k).expect("round trip");
+        assert_eq!(values(&back, 70), values(&rounded, 70));
+        let err = (&back - &k)
+            .and_then(|d| d.abs())
+            .and_then(|d| d.max_all())
+            .and_then(|d| d.to_scalar::<f32>())
+            .expect("err");
+        let amax = k
+            .abs()
+            .and_then(|a| a.max_all())
+            .and_then(|a| a.to_scalar::<f32>())
+            .expect("amax");
+        assert!(
+            err <= amax / 254.0 * 1.001,
+            "{err} against a step of {}",
+            amax / 127.0
+        );
+        // A fork keeps the rows as they are.
+        let fork = cache.fork(40).expect("fork");
+        let (fk, _) = fork.stored(0).expect("stored").expect("some");
+        let bytes = |t: &Tensor| {
+            t.narrow(1, 0, 40)
+                .and_then(|t| t.flatten_all())
+                .and_then(|t| t.to_vec1::<u8>())
+                .expect("bytes")
+        };
+        assert_eq!(bytes(&fk), bytes(&sk));
     }
 
     #[test]

@@ -13,6 +13,7 @@ mod cache;
 mod config;
 mod error;
 pub mod gguf;
+mod kv8;
 mod linear;
 mod safetensors;
 mod shard;

@@ -344,9 +344,21 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 }
 
 /// Logits `(t, vocab)` of every position of `tokens`, from scratch, with keys and values
-/// rounded to `kv` as the cache keeps them (f16 where shoal computes in f32 on a CPU).
+/// rounded to `kv` as the cache keeps them (f16 where shoal computes in f32 on a CPU; `U8`
+/// for 8-bit rows).
 fn reference_logits(w: &Weights, tokens: &[u32], kv: DType) -> Vec<Vec<f32>> {
     let kept = |xs: &mut [f32]| {
+        if kv == DType::U8 {
+            // 8-bit rows: a head's row over its largest magnitude / 127, rounded.
+            for row in xs.chunks_mut(w.d.head_dim) {
+                let d = row.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                for x in row {
+                    *x = (*x * inv).round().clamp(-127.0, 127.0) * d;
+                }
+            }
+            return;
+        }
         for x in xs {
             *x = match kv {
                 DType::F16 => half::f16::from_f32(*x).to_f32(),

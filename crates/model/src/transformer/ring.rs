@@ -214,8 +214,7 @@ impl Model {
         let (device, dtype) = (self.compute.device.clone(), self.compute.dtype);
         // Keys and values as the cache will keep them (f16 on a CPU), so that every query
         // sees what a rank computing the chunk alone would read back from its cache.
-        let kept =
-            |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(cache.dtype())?.to_dtype(dtype)?) };
+        let kept = |t: Tensor| cache.round_trip(&t);
         let local = match rows {
             0 => None,
             _ => {
@@ -230,7 +229,8 @@ impl Model {
         };
         // Everything before the chunk: every query sees all of it.
         if let (Some(q), Some((k, v))) = (&q, cache.stored(layer.index)?) {
-            state.add(q, &k.to_dtype(dtype)?, &v.to_dtype(dtype)?, None, scale)?;
+            let (k, v) = (cache.widened(&k, dtype)?, cache.widened(&v, dtype)?);
+            state.add(q, &k, &v, None, scale)?;
         }
         // The chunk, block by block around the ring.
         let mut in_hand = match &local {

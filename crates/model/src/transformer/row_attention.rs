@@ -97,6 +97,19 @@ impl<'a, T: Elem> View<'a, T> {
 enum KeysValues<'a> {
     F32(View<'a, f32>, View<'a, f32>),
     F16(View<'a, f16>, View<'a, f16>),
+    /// 8-bit rows (`crate::kv8`): the views' rows are the values, their scales after them.
+    Q8(View<'a, u8>, View<'a, u8>),
+}
+
+impl<'a> View<'a, u8> {
+    /// The view of 8-bit rows `(_, _, head_dim + 4)` as rows of their `head_dim` values.
+    fn of_values(mut self, what: &str) -> Result<Self> {
+        self.dims[2] = match self.dims[2].checked_sub(crate::kv8::SCALE_BYTES) {
+            Some(hd) if hd > 0 => hd,
+            _ => candle_core::bail!("row attention: 8-bit {what} rows hold no values"),
+        };
+        Ok(self)
+    }
 }
 
 impl<'a> KeysValues<'a> {
@@ -111,8 +124,12 @@ impl<'a> KeysValues<'a> {
             (CpuStorage::F16(_), CpuStorage::F16(_)) => {
                 Self::F16(View::new(ks, kl, "k")?, View::new(vs, vl, "v")?)
             }
+            (CpuStorage::U8(_), CpuStorage::U8(_)) => Self::Q8(
+                View::new(ks, kl, "k")?.of_values("k")?,
+                View::new(vs, vl, "v")?.of_values("v")?,
+            ),
             _ => candle_core::bail!(
-                "row attention: keys {:?} and values {:?} must both be f32 or f16",
+                "row attention: keys {:?} and values {:?} must both be f32, f16 or 8-bit",
                 ks.dtype(),
                 vs.dtype()
             ),
@@ -124,6 +141,7 @@ impl<'a> KeysValues<'a> {
         match self {
             Self::F32(k, v) => (k.dims, v.dims),
             Self::F16(k, v) => (k.dims, v.dims),
+            Self::Q8(k, v) => (k.dims, v.dims),
         }
     }
 }
@@ -189,6 +207,7 @@ impl<'a> Problem<'a> {
         match &self.kv {
             KeysValues::F32(k, v) => self.block_over(k, v, unit, scale, scratch, out),
             KeysValues::F16(k, v) => self.block_over(k, v, unit, scale, scratch, out),
+            KeysValues::Q8(k, v) => self.block_over(k, v, unit, scale, scratch, out),
         }
     }
 
@@ -225,10 +244,12 @@ impl<'a> Problem<'a> {
         let scores = &mut scratch.scores;
         scores.clear();
         scores.resize(queries.len() * longest, 0.0);
+        let factor = |j: usize| key_factor(k, kvh, j, scale);
         if hd.is_multiple_of(8) {
             for j0 in (0..longest).step_by(8) {
                 let keys: [&[T]; 8] =
                     std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
+                let factors: [f32; 8] = std::array::from_fn(|c| factor((j0 + c).min(longest - 1)));
                 // Queries of the block in twos (threes where their count is odd), each
                 // group's scores against the eight keys from one pass over them.
                 let mut a = 0;
@@ -247,11 +268,12 @@ impl<'a> Problem<'a> {
                                 continue;
                             }
                             let end = seen.min(j0 + 8);
-                            for (s, g) in scores[b * longest + j0..b * longest + end]
+                            for ((s, g), f) in scores[b * longest + j0..b * longest + end]
                                 .iter_mut()
                                 .zip(got)
+                                .zip(factors)
                             {
-                                *s = g * scale;
+                                *s = g * f;
                             }
                         }
                     }
@@ -263,7 +285,7 @@ impl<'a> Problem<'a> {
                 let key = k.row(kvh, j);
                 for (a, (qr, &(_, _, seen))) in qrows.iter().zip(queries).enumerate() {
                     if j < seen {
-                        scores[a * longest + j] = dot(qr, key) * scale;
+                        scores[a * longest + j] = dot(qr, key) * factor(j);
                     }
                 }
             }
@@ -273,11 +295,7 @@ impl<'a> Problem<'a> {
         outs.resize(queries.len() * hd, 0.0);
         for (a, &(_, _, seen)) in queries.iter().enumerate() {
             let row = &mut scores[a * longest..a * longest + seen];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-            let inv = 1.0 / exp_minus(row, max);
-            for s in row.iter_mut() {
-                *s *= inv;
-            }
+            normalize(row, v, kvh);
             weigh_values(&mut outs[a * hd..(a + 1) * hd], row, v, kvh);
         }
         for (a, &(h, i, _)) in queries.iter().enumerate() {
@@ -290,6 +308,31 @@ impl<'a> Problem<'a> {
                     hd,
                 )
             };
+        }
+    }
+}
+
+/// What key `j`'s dot product with a query is multiplied by to make its score: `scale`,
+/// times the row's own scale where the rows are 8-bit.
+fn key_factor<T: Elem>(k: &View<T>, kvh: usize, j: usize, scale: f32) -> f32 {
+    if T::SCALED {
+        T::row_scale(k, kvh, j) * scale
+    } else {
+        scale
+    }
+}
+
+/// A query's scores over the keys it sees into the weights of their values: the softmax,
+/// and where the rows are 8-bit, each value row's scale folded into its weight.
+fn normalize<T: Elem>(row: &mut [f32], v: &View<T>, kvh: usize) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+    let inv = 1.0 / exp_minus(row, max);
+    for s in row.iter_mut() {
+        *s *= inv;
+    }
+    if T::SCALED {
+        for (j, s) in row.iter_mut().enumerate() {
+            *s *= T::row_scale(v, kvh, j);
         }
     }
 }
@@ -619,6 +662,46 @@ mod tests {
                     row_attention(q, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, 0.3)?;
                 assert_eq!(bits(&row_attention(q, k, v, 0.3)?)?, bits(&wide)?, "{hd}");
                 assert_eq!(bits(got)?, bits(&wide)?, "{hd}, in a batch");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn keys_and_values_kept_in_8_bits_give_what_their_values_give() -> candle_core::Result<()> {
+        // 8-bit rows with their scales folded into scores and weights: what the f32 path
+        // gives over the values they stand for (to rounding: the scale is applied after
+        // the sum), and among a batch bit for bit what each gives alone.
+        let dev = Device::Cpu;
+        let err = |e: crate::ModelError| candle_core::Error::msg(e.to_string());
+        for hd in [16, 64, 20] {
+            let (heads, kv_heads) = (6, 2);
+            let mut items = Vec::new();
+            for (t, n) in [(1, 5), (1, 700), (9, 40), (20, 2000)] {
+                let q = Tensor::randn(0f32, 1.0, (heads, t, hd), &dev)?;
+                let mut kv = (0..2).map(|_| {
+                    let x = Tensor::randn(0f32, 1.0, (kv_heads, n + 3, hd), &dev)?;
+                    crate::kv8::quantize(&x).map_err(err)?.narrow(1, 0, n)
+                });
+                let (k, v) = (kv.next().expect("k")?, kv.next().expect("v")?);
+                items.push((q, k, v));
+            }
+            let refs: Vec<_> = items.iter().map(|(q, k, v)| (q, k, v)).collect();
+            let together = row_attention_each(&refs, 0.3)?;
+            for ((q, k, v), got) in items.iter().zip(&together) {
+                let alone = row_attention(q, k, v, 0.3)?;
+                let wide = |x: &Tensor| crate::kv8::dequantize(x).map_err(err);
+                let want = row_attention(q, &wide(k)?, &wide(v)?, 0.3)?;
+                let diff = (&alone - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(diff < 1e-5, "head size {hd}: {diff}");
+                let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+                    Ok(t.flatten_all()?
+                        .to_vec1::<f32>()?
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect())
+                };
+                assert_eq!(bits(got)?, bits(&alone)?, "{hd}, in a batch");
             }
         }
         Ok(())

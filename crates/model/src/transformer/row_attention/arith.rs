@@ -3,17 +3,26 @@
 //! is the same whatever is computed beside it (the vectorized forms do the plain loops'
 //! fused multiply-adds in the same order; the tests check them bit for bit).
 //!
-//! Keys and values are read as the cache keeps them, f32 or f16 ([`Elem`]): an f16 is
-//! widened to the f32 it stands for exactly, so the arithmetic after the load is the
-//! same for both.
+//! Keys and values are read as the cache keeps them, f32, f16 or 8-bit rows ([`Elem`]): an
+//! f16 is widened to the f32 it stands for exactly, so the arithmetic after the load is the
+//! same for both; an 8-bit row's scale is folded into its key's score and its value's
+//! weight by the caller.
 
 use half::f16;
 
 use super::View;
 
 /// An element type the cache may keep keys and values in.
-pub(crate) trait Elem: candle_core::WithDType {
+pub(super) trait Elem: candle_core::WithDType {
+    /// Whether a row's elements stand for themselves times the row's scale (8-bit rows).
+    const SCALED: bool = false;
+
     fn to_f32(self) -> f32;
+
+    /// The factor row `j` of KV head `i` of `view` stands for times its elements.
+    fn row_scale(_view: &View<Self>, _i: usize, _j: usize) -> f32 {
+        1.0
+    }
 
     /// Eight elements from `p` widened to f32.
     ///
@@ -66,6 +75,32 @@ impl Elem for f16 {
             let xs: [f32; 8] = std::array::from_fn(|i| (*p.add(i)).to_f32());
             _mm256_loadu_ps(xs.as_ptr())
         }
+    }
+}
+
+/// The 8-bit rows of [`crate::kv8`]: candle has no i8 type, so the bytes of a `u8` tensor
+/// are the two's-complement values, and the row's f32 scale follows its values.
+impl Elem for u8 {
+    const SCALED: bool = true;
+
+    fn to_f32(self) -> f32 {
+        f32::from(self as i8)
+    }
+
+    fn row_scale(view: &View<u8>, i: usize, j: usize) -> f32 {
+        let at = view.at(i, j);
+        crate::kv8::scale_of(&view.data[at..], view.dims[2])
+    }
+
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    unsafe fn load8(p: *const u8) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's; eight bytes are read.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()))) }
     }
 }
 
