@@ -3,6 +3,10 @@
 inter-token gaps (median, worst) and the long prompt's time to its first token.
 
     scripts/gap-under-long-prompt.py [--node 127.0.0.1:52415] [--words 4000] [--tokens 600]
+                                     [--alone] [--worst N]
+
+`--alone` first streams the same answer with no long prompt beside it: the floor the
+machine itself sets (a stream's steps alone vary, and so does their delivery).
 
 Needs a node with a ready instance whose context holds the long prompt (`shoal place
 MODEL --ctx 8192`). The long prompt is random words, so no kept prefix serves it.
@@ -39,16 +43,33 @@ def stream(node, body, out):
     out.append(times)
 
 
+def summary(times):
+    """The gaps between a stream's pieces: median, 99th percentile, worst."""
+    gaps = sorted((b - a) * 1e3 for a, b in zip(times, times[1:]))
+    median, p99 = gaps[len(gaps) // 2], gaps[int(len(gaps) * 0.99)]
+    return (
+        f"{len(times)} pieces, median gap {median:.1f} ms, p99 {p99:.1f} ms ({p99 / median:.2f}x), "
+        f"worst {gaps[-1]:.1f} ms ({gaps[-1] / median:.2f}x the median)"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--node", default="127.0.0.1:52415")
     ap.add_argument("--words", type=int, default=4000)
     ap.add_argument("--tokens", type=int, default=600)
+    ap.add_argument("--worst", type=int, default=0, help="also list the N worst gaps and when they came")
+    ap.add_argument("--alone", action="store_true", help="first the same stream with nothing beside it")
     a = ap.parse_args()
+    story = {"prompt": "Write a long story about a dragon.", "max_tokens": a.tokens}
+    if a.alone:
+        alone = []
+        stream(a.node, story, alone)
+        print(f"alone:  {summary(alone[0])}")
     streamed, long = [], []
     s = threading.Thread(
         target=stream,
-        args=(a.node, {"prompt": "Write a long story about a dragon.", "max_tokens": a.tokens}, streamed),
+        args=(a.node, story, streamed),
     )
     s.start()
     time.sleep(2.0)
@@ -61,13 +82,12 @@ def main():
     lt.join()
     s.join()
     times = streamed[0]
-    gaps = sorted((b - a) * 1e3 for a, b in zip(times, times[1:]))
-    median = gaps[len(gaps) // 2]
     ttft = (long[0][0] - sent) * 1e3 if long[0] else float("nan")
-    print(
-        f"stream: {len(times)} pieces, median gap {median:.1f} ms, worst {gaps[-1]:.1f} ms "
-        f"({gaps[-1] / median:.2f}x the median); the long prompt's first token after {ttft:.0f} ms"
-    )
+    if a.worst:
+        ranked = sorted(((b - a_) * 1e3, a_ - sent) for a_, b in zip(times, times[1:]))[::-1]
+        for gap, at in ranked[: a.worst]:
+            print(f"  gap {gap:.1f} ms from {at * 1e3:+.0f} ms after the long prompt was sent ({time.strftime('%H:%M:%S', time.gmtime(sent + at))}.{int((sent + at) % 1 * 1000):03d} UTC)")
+    print(f"stream: {summary(times)}; the long prompt's first token after {ttft:.0f} ms")
 
 
 if __name__ == "__main__":

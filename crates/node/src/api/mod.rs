@@ -184,6 +184,13 @@ pub async fn serve(
         .layer(axum::middleware::map_response(close_after_unread_body))
         .layer(axum::middleware::map_response(retry_after_when_unavailable))
         .layer(axum::middleware::from_fn_with_state(key, authorize));
+    // Each streamed token is a small write: with Nagle's algorithm one waits for the
+    // client's (delayed) acknowledgement of the one before.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY not set on a connection");
+        }
+    });
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(error = %e, "http server stopped");
     }
