@@ -3,6 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::Result;
+use crate::kv8::{self, Part};
 
 /// Zeroed storage for keys or values. f16 on a CPU comes from zeroed pages as f32 does
 /// (candle fills an f16 tensor element by element: ~100 MB of a long prompt's cache
@@ -172,32 +173,36 @@ impl KvCache {
         let cache = slot
             .as_ref()
             .ok_or_else(|| crate::ModelError::Invalid("KV cache slot was not allocated".into()))?;
-        cache.k.slice_set(&self.as_kept(k)?, 1, self.len)?;
-        cache.v.slice_set(&self.as_kept(v)?, 1, self.len)?;
+        cache
+            .k
+            .slice_set(&self.as_kept(k, Part::Keys)?, 1, self.len)?;
+        cache
+            .v
+            .slice_set(&self.as_kept(v, Part::Values)?, 1, self.len)?;
         Ok((cache.k.narrow(1, 0, needed)?, cache.v.narrow(1, 0, needed)?))
     }
 
     /// Keys or values `(num_kv_heads, t, head_dim)` as the storage keeps them.
-    fn as_kept(&self, x: &Tensor) -> Result<Tensor> {
+    fn as_kept(&self, x: &Tensor, part: Part) -> Result<Tensor> {
         if self.dtype == DType::U8 {
-            return crate::kv8::quantize(x);
+            return kv8::quantize(x, part);
         }
         Ok(x.to_dtype(self.dtype)?.contiguous()?)
     }
 
     /// What keys or values `x` read back from this cache would be, in `x`'s own type (ring
     /// attention attends to a chunk's keys and values as its cache will keep them).
-    pub(crate) fn round_trip(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn round_trip(&self, x: &Tensor, part: Part) -> Result<Tensor> {
         if self.dtype == DType::U8 {
-            return Ok(crate::kv8::dequantize(&crate::kv8::quantize(x)?)?.to_dtype(x.dtype())?);
+            return Ok(kv8::dequantize(&kv8::quantize(x, part)?, part)?.to_dtype(x.dtype())?);
         }
         Ok(x.to_dtype(self.dtype)?.to_dtype(x.dtype())?)
     }
 
     /// Stored keys or values (as [`KvCache::stored`] gives them) as values of `dtype`.
-    pub(crate) fn widened(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+    pub(crate) fn widened(&self, x: &Tensor, part: Part, dtype: DType) -> Result<Tensor> {
         if self.dtype == DType::U8 {
-            return Ok(crate::kv8::dequantize(x)?.to_dtype(dtype)?);
+            return Ok(kv8::dequantize(x, part)?.to_dtype(dtype)?);
         }
         Ok(x.to_dtype(dtype)?)
     }
@@ -205,7 +210,7 @@ impl KvCache {
     /// Elements of storage a row of `hd` values takes (8-bit rows carry their scale).
     fn row_width(&self, hd: usize) -> usize {
         if self.dtype == DType::U8 {
-            crate::kv8::row_bytes(hd)
+            kv8::row_bytes(hd)
         } else {
             hd
         }
@@ -378,9 +383,13 @@ mod tests {
         assert_eq!(sv.dtype(), DType::U8);
         // 68 of 128 bytes a row in f16's place: 20 against 32 at this head size.
         assert_eq!(cache.size_in_bytes(), 2 * n_kv * 128 * (hd + 4));
-        let back = cache.widened(&sk, DType::F32).expect("widen");
-        let rounded = cache.round_trip(&k).expect("round trip");
+        // What the cache gives back is what a round trip through it gives (the keys
+        // rotated and turned back).
+        let back = cache.widened(&sk, Part::Keys, DType::F32).expect("widen");
+        let rounded = cache.round_trip(&k, Part::Keys).expect("round trip");
         assert_eq!(values(&back, 70), values(&rounded, 70));
+        // Values come back within half a step of the largest.
+        let back = cache.widened(&sv, Part::Values, DType::F32).expect("widen");
         let err = (&back - &k)
             .and_then(|d| d.abs())
             .and_then(|d| d.max_all())

@@ -347,16 +347,44 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 /// rounded to `kv` as the cache keeps them (f16 where shoal computes in f32 on a CPU; `U8`
 /// for 8-bit rows).
 fn reference_logits(w: &Weights, tokens: &[u32], kv: DType) -> Vec<Vec<f32>> {
-    let kept = |xs: &mut [f32]| {
-        if kv == DType::U8 {
-            // 8-bit rows: a head's row over its largest magnitude / 127, rounded.
-            for row in xs.chunks_mut(w.d.head_dim) {
-                let d = row.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
-                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-                for x in row {
-                    *x = (*x * inv).round().clamp(-127.0, 127.0) * d;
-                }
+    // 8-bit rows: a head's row over its largest magnitude / 127, rounded; keys turned by
+    // the normalized Hadamard matrix first and back after (here its entries,
+    // (−1)^popcount(i & j) / √n, one product at a time).
+    let hadamard = |row: &mut [f32]| {
+        let n = row.len();
+        let turned: Vec<f32> = (0..n)
+            .map(|i| {
+                let sum: f64 = (0..n)
+                    .map(|j| {
+                        let sign = if (i & j).count_ones() % 2 == 0 { 1.0 } else { -1.0 };
+                        sign * row[j] as f64
+                    })
+                    .sum();
+                (sum / (n as f64).sqrt()) as f32
+            })
+            .collect();
+        row.copy_from_slice(&turned);
+    };
+    let rounded_8 = |xs: &mut [f32], keys: bool| {
+        let hd = w.d.head_dim;
+        let turn = keys && hd.is_power_of_two() && hd >= 8;
+        for row in xs.chunks_mut(hd) {
+            if turn {
+                hadamard(row);
             }
+            let d = row.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for x in row.iter_mut() {
+                *x = (*x * inv).round().clamp(-127.0, 127.0) * d;
+            }
+            if turn {
+                hadamard(row);
+            }
+        }
+    };
+    let kept = |xs: &mut [f32], keys: bool| {
+        if kv == DType::U8 {
+            rounded_8(xs, keys);
             return;
         }
         for x in xs {
@@ -402,7 +430,7 @@ fn reference_logits(w: &Weights, tokens: &[u32], kv: DType) -> Vec<Vec<f32>> {
         let mut q = proj("attn_q", nh * hd);
         let mut k = proj("attn_k", nkv * hd);
         let mut v = proj("attn_v", nkv * hd);
-        kept(&mut v);
+        kept(&mut v, false);
         if d.arch == Architecture::Qwen3 {
             q = rms_norm(&q, w.get(&p("attn_q_norm.weight")), d.eps);
             k = rms_norm(&k, w.get(&p("attn_k_norm.weight")), d.eps);
@@ -415,7 +443,7 @@ fn reference_logits(w: &Weights, tokens: &[u32], kv: DType) -> Vec<Vec<f32>> {
                 rope(&mut k[pos * nkv * hd + head * hd..][..hd], pos);
             }
         }
-        kept(&mut k);
+        kept(&mut k, true);
         let mut attn = vec![0f32; t * nh * hd];
         for head in 0..nh {
             let kvh = head / (nh / nkv);

@@ -18,6 +18,7 @@ use std::ops::Range;
 use candle_core::{D, DType, Device, Tensor};
 
 use super::{DecoderLayer, Model};
+use crate::kv8::Part;
 use crate::shard::ShardLinks;
 use crate::{KvCache, ModelError, Result};
 
@@ -214,12 +215,12 @@ impl Model {
         let (device, dtype) = (self.compute.device.clone(), self.compute.dtype);
         // Keys and values as the cache will keep them (f16 on a CPU), so that every query
         // sees what a rank computing the chunk alone would read back from its cache.
-        let kept = |t: Tensor| cache.round_trip(&t);
+        let kept = |t: Tensor, part| cache.round_trip(&t, part);
         let local = match rows {
             0 => None,
             _ => {
                 let (q, k, v) = self.project_qkv(layer, x, pieces)?;
-                Some((q, kept(k)?, kept(v)?))
+                Some((q, kept(k, Part::Keys)?, kept(v, Part::Values)?))
             }
         };
         let mut state = Online::new(nkv, g * rows, hd, &device)?;
@@ -229,7 +230,10 @@ impl Model {
         };
         // Everything before the chunk: every query sees all of it.
         if let (Some(q), Some((k, v))) = (&q, cache.stored(layer.index)?) {
-            let (k, v) = (cache.widened(&k, dtype)?, cache.widened(&v, dtype)?);
+            let (k, v) = (
+                cache.widened(&k, Part::Keys, dtype)?,
+                cache.widened(&v, Part::Values, dtype)?,
+            );
             state.add(q, &k, &v, None, scale)?;
         }
         // The chunk, block by block around the ring.

@@ -338,6 +338,31 @@ fn normalize<T: Elem>(row: &mut [f32], v: &View<T>, kvh: usize) {
     }
 }
 
+/// The queries `q` as the keys are kept: 8-bit keys are rotated (`crate::kv8`), so the
+/// queries take the same rotation, which leaves each score as it was (a copy in `store`);
+/// otherwise `q` itself.
+fn turned<'a>(q: View<'a>, kv: &KeysValues, store: &'a mut Vec<f32>) -> View<'a> {
+    let [heads, t, hd] = q.dims;
+    if !matches!(kv, KeysValues::Q8(..)) || !crate::kv8::rotates(hd) {
+        return q;
+    }
+    store.clear();
+    store.reserve(heads * t * hd);
+    for h in 0..heads {
+        for i in 0..t {
+            store.extend_from_slice(q.row(h, i));
+        }
+    }
+    store.chunks_exact_mut(hd).for_each(crate::kv8::hadamard);
+    let store: &'a Vec<f32> = store;
+    View {
+        data: store,
+        dims: q.dims,
+        offset: 0,
+        strides: [t * hd, hd],
+    }
+}
+
 fn cpu(s: &candle_core::Storage) -> Result<&CpuStorage> {
     match s {
         candle_core::Storage::Cpu(c) => Ok(c),
@@ -416,13 +441,12 @@ pub(crate) fn row_attention_many(
             )
         })
         .collect();
+    let mut stores: Vec<Vec<f32>> = items.iter().map(|_| Vec::new()).collect();
     let mut problems = Vec::with_capacity(items.len());
-    for ((qs, ql), (ks, kl), (vs, vl)) in &guards {
-        problems.push(Problem::new(
-            View::new(cpu(qs)?, ql, "q")?,
-            KeysValues::new((cpu(ks)?, kl), (cpu(vs)?, vl))?,
-            false,
-        )?);
+    for (((qs, ql), (ks, kl), (vs, vl)), store) in guards.iter().zip(&mut stores) {
+        let kv = KeysValues::new((cpu(ks)?, kl), (cpu(vs)?, vl))?;
+        let q = turned(View::new(cpu(qs)?, ql, "q")?, &kv, store);
+        problems.push(Problem::new(q, kv, false)?);
     }
     let mut outs: Vec<Vec<f32>> = problems
         .iter()
@@ -499,10 +523,9 @@ impl CustomOp3 for RowAttention {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (q, kv) = (
-            View::new(qs, ql, "q")?,
-            KeysValues::new((ks, kl), (vs, vl))?,
-        );
+        let kv = KeysValues::new((ks, kl), (vs, vl))?;
+        let mut store = Vec::new();
+        let q = turned(View::new(qs, ql, "q")?, &kv, &mut store);
         let pool = shoal_kernels::ThreadPool::global();
         let [heads, t, _] = q.dims;
         let [kv_heads, n, _] = kv.dims().0;

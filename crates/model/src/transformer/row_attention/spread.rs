@@ -200,6 +200,7 @@ mod tests {
     use candle_core::{DType, Device, Tensor};
 
     use super::super::{KeysValues, Problem, View, cpu, share_out};
+    use crate::kv8::Part;
 
     /// `q`, `k`, `v` through the passes here and through `block`, as bits.
     fn both_ways(
@@ -242,15 +243,16 @@ mod tests {
                 let k = Tensor::randn(0f32, 1.0, (kv_heads, n + 5, hd), &dev)?;
                 let v = Tensor::randn(0f32, 1.0, (kv_heads, n + 5, hd), &dev)?;
                 for kind in ["f32", "f16", "q8"] {
-                    let kept = |x: &Tensor| -> candle_core::Result<Tensor> {
+                    let kept = |x: &Tensor, part| -> candle_core::Result<Tensor> {
                         let x = match kind {
                             "f32" => x.clone(),
                             "f16" => x.to_dtype(DType::F16)?,
-                            _ => crate::kv8::quantize(x).map_err(err)?,
+                            _ => crate::kv8::quantize(x, part).map_err(err)?,
                         };
                         x.narrow(1, 0, n)
                     };
-                    let (spread, block) = both_ways(&q, &kept(&k)?, &kept(&v)?, 0.125)?;
+                    let (k, v) = (kept(&k, Part::Keys)?, kept(&v, Part::Values)?);
+                    let (spread, block) = both_ways(&q, &k, &v, 0.125)?;
                     assert!(
                         spread == block,
                         "{heads}/{kv_heads} heads of {hd}, {t} rows over {n} keys in {kind}"

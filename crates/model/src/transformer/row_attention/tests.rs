@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::{row_attention, row_attention_each};
+use crate::kv8::Part;
 
 /// candle's masked softmax attention, the reference.
 fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
@@ -157,11 +158,11 @@ fn keys_and_values_kept_in_8_bits_give_what_their_values_give() -> candle_core::
     for hd in [16, 64, 20] {
         let (heads, kv_heads) = (6, 2);
         let mut items = Vec::new();
-        for (t, n) in [(1, 5), (1, 700), (9, 40), (20, 2000)] {
+        for (t, n) in [(1, 5), (1, 700), (9, 40), (20, 2000), (2, 1500)] {
             let q = Tensor::randn(0f32, 1.0, (heads, t, hd), &dev)?;
-            let mut kv = (0..2).map(|_| {
+            let mut kv = [Part::Keys, Part::Values].into_iter().map(|part| {
                 let x = Tensor::randn(0f32, 1.0, (kv_heads, n + 3, hd), &dev)?;
-                crate::kv8::quantize(&x).map_err(err)?.narrow(1, 0, n)
+                crate::kv8::quantize(&x, part).map_err(err)?.narrow(1, 0, n)
             });
             let (k, v) = (kv.next().expect("k")?, kv.next().expect("v")?);
             items.push((q, k, v));
@@ -170,8 +171,8 @@ fn keys_and_values_kept_in_8_bits_give_what_their_values_give() -> candle_core::
         let together = row_attention_each(&refs, 0.3)?;
         for ((q, k, v), got) in items.iter().zip(&together) {
             let alone = row_attention(q, k, v, 0.3)?;
-            let wide = |x: &Tensor| crate::kv8::dequantize(x).map_err(err);
-            let want = row_attention(q, &wide(k)?, &wide(v)?, 0.3)?;
+            let wide = |x: &Tensor, part| crate::kv8::dequantize(x, part).map_err(err);
+            let want = row_attention(q, &wide(k, Part::Keys)?, &wide(v, Part::Values)?, 0.3)?;
             let diff = (&alone - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-5, "head size {hd}: {diff}");
             let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
