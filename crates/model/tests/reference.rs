@@ -356,7 +356,11 @@ fn reference_logits(w: &Weights, tokens: &[u32], kv: DType) -> Vec<Vec<f32>> {
             .map(|i| {
                 let sum: f64 = (0..n)
                     .map(|j| {
-                        let sign = if (i & j).count_ones() % 2 == 0 { 1.0 } else { -1.0 };
+                        let sign = if (i & j).count_ones() % 2 == 0 {
+                            1.0
+                        } else {
+                            -1.0
+                        };
                         sign * row[j] as f64
                     })
                     .sum();

@@ -28,6 +28,15 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> candle_core::Res
         .reshape((t, heads * hd))
 }
 
+/// A tensor's values as bits, to hold two results equal exactly.
+fn bits(t: &Tensor) -> candle_core::Result<Vec<u32>> {
+    Ok(t.flatten_all()?
+        .to_vec1::<f32>()?
+        .iter()
+        .map(|x| x.to_bits())
+        .collect())
+}
+
 #[test]
 fn equals_masked_softmax_attention_on_a_strided_cache_view() -> candle_core::Result<()> {
     let dev = Device::Cpu;
@@ -97,16 +106,11 @@ fn sequences_together_equal_each_alone() -> candle_core::Result<()> {
     let together = row_attention_each(&refs, 0.25)?;
     assert_eq!(together.len(), items.len());
     for (i, ((q, k, v), got)) in items.iter().zip(&together).enumerate() {
-        let alone = row_attention(q, k, v, 0.25)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        let got = got.flatten_all()?.to_vec1::<f32>()?;
-        assert_eq!(alone.len(), got.len());
-        let same = alone
-            .iter()
-            .zip(&got)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "sequence {i}");
+        assert_eq!(
+            bits(got)?,
+            bits(&row_attention(q, k, v, 0.25)?)?,
+            "sequence {i}"
+        );
     }
     Ok(())
 }
@@ -130,13 +134,6 @@ fn keys_and_values_kept_in_f16_give_what_their_f32_values_give() -> candle_core:
                 .narrow(1, 0, n)?;
             items.push((q, k, v));
         }
-        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
-            Ok(t.flatten_all()?
-                .to_vec1::<f32>()?
-                .iter()
-                .map(|x| x.to_bits())
-                .collect())
-        };
         let refs: Vec<_> = items.iter().map(|(q, k, v)| (q, k, v)).collect();
         let together = row_attention_each(&refs, 0.3)?;
         for ((q, k, v), got) in items.iter().zip(&together) {
@@ -175,13 +172,6 @@ fn keys_and_values_kept_in_8_bits_give_what_their_values_give() -> candle_core::
             let want = row_attention(q, &wide(k, Part::Keys)?, &wide(v, Part::Values)?, 0.3)?;
             let diff = (&alone - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert!(diff < 1e-5, "head size {hd}: {diff}");
-            let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
-                Ok(t.flatten_all()?
-                    .to_vec1::<f32>()?
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect())
-            };
             assert_eq!(bits(got)?, bits(&alone)?, "{hd}, in a batch");
         }
     }
