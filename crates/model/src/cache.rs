@@ -37,7 +37,11 @@ pub fn kv_dtype(device: &Device, dtype: DType) -> DType {
     match asked.as_deref() {
         Some("f32") => DType::F32,
         Some("q8") => DType::U8,
-        _ => DType::F16,
+        None | Some("f16") => DType::F16,
+        Some(other) => {
+            tracing::warn!(asked = other, "SHOAL_KV is f16, f32 or q8; keeping f16");
+            DType::F16
+        }
     }
 }
 
