@@ -18,7 +18,7 @@
 mod arith;
 mod spread;
 
-use arith::{Elem, dot, exp_minus, scores_of, weigh_values};
+use arith::{Elem, dot, exp_minus, max_of, scores_of, weigh_values};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use half::f16;
@@ -326,8 +326,7 @@ fn key_factor<T: Elem>(k: &View<T>, kvh: usize, j: usize, scale: f32) -> f32 {
 /// A query's scores over the keys it sees into the weights of their values: the softmax,
 /// and where the rows are 8-bit, each value row's scale folded into its weight.
 fn normalize<T: Elem>(row: &mut [f32], v: &View<T>, kvh: usize) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let inv = 1.0 / exp_minus(row, max);
+    let inv = 1.0 / exp_minus(row, max_of(row));
     for s in row.iter_mut() {
         *s *= inv;
     }

@@ -237,6 +237,23 @@ pub(super) fn dot<T: Elem>(a: &[f32], b: &[T]) -> f32 {
     ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail
 }
 
+/// The largest of `xs` (−∞ for none), eight lanes at a time: a maximum does not depend on
+/// the order it is taken in, and the plain fold (`f32::max` one value after another) ran
+/// one value a cycle, since the compiler keeps its order.
+pub(super) fn max_of(xs: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            *m = m.max(x);
+        }
+    }
+    tail.iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &x| m.max(x))
+}
+
 /// One value of [`exp_minus`]'s exponential: Cephes' single-precision one (relative
 /// error about 1e-7).
 pub(super) fn exp(x: f32) -> f32 {

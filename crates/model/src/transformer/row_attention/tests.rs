@@ -210,6 +210,21 @@ fn the_exponentials_eight_at_a_time_are_the_plain_ones() {
 }
 
 #[test]
+fn the_largest_score_eight_lanes_at_a_time_is_the_plain_fold_s() {
+    for len in [0, 1, 7, 8, 9, 100, 3001] {
+        let xs: Vec<f32> = (0..len)
+            .map(|i| ((i * 37 % 101) as f32 * 0.7).sin() * 9.0)
+            .collect();
+        let plain = xs.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        assert_eq!(
+            super::max_of(&xs).to_bits(),
+            plain.to_bits(),
+            "{len} values"
+        );
+    }
+}
+
+#[test]
 fn eight_keys_at_once_score_as_one_at_a_time() {
     let q: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
     let keys: Vec<Vec<f32>> = (0..8)
