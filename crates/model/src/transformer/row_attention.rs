@@ -248,38 +248,8 @@ impl<'a> Problem<'a> {
         let factor = |j: usize| key_factor(k, kvh, j, scale);
         if hd.is_multiple_of(8) {
             for j0 in (0..longest).step_by(8) {
-                let keys: [&[T]; 8] =
-                    std::array::from_fn(|c| k.row(kvh, (j0 + c).min(longest - 1)));
-                let factors: [f32; 8] = std::array::from_fn(|c| factor((j0 + c).min(longest - 1)));
-                // Queries of the block in twos (threes where their count is odd), each
-                // group's scores against the eight keys from one pass over them.
-                let mut a = 0;
-                while a < queries.len() {
-                    let take = match queries.len() - a {
-                        1 => 1,
-                        3 => 3,
-                        _ => 2,
-                    };
-                    let live = (a..a + take).any(|b| j0 < queries[b].2);
-                    if live {
-                        let got = scores_of(&qrows[a..a + take], keys);
-                        for (b, got) in (a..a + take).zip(got) {
-                            let seen = queries[b].2;
-                            if j0 >= seen {
-                                continue;
-                            }
-                            let end = seen.min(j0 + 8);
-                            for ((s, g), f) in scores[b * longest + j0..b * longest + end]
-                                .iter_mut()
-                                .zip(got)
-                                .zip(factors)
-                            {
-                                *s = g * f;
-                            }
-                        }
-                    }
-                    a += take;
-                }
+                let put = |b: usize, j: usize, s: f32| scores[b * longest + j] = s;
+                score_eight(&qrows, |b| queries[b].2, k, kvh, j0, longest, scale, put);
             }
         } else {
             for j in 0..longest {
@@ -310,6 +280,44 @@ impl<'a> Problem<'a> {
                 )
             };
         }
+    }
+}
+
+/// The scores of `queries` (query `b` sees the first `seen(b)` keys) against the eight
+/// keys of KV head `kvh` from `j0` (the last of the `keys` repeated past them): the
+/// queries in twos (threes where their count is odd), each group's scores from one pass
+/// over the keys; `put(b, j, score)` for every key a query sees.
+#[allow(clippy::too_many_arguments)]
+fn score_eight<T: Elem>(
+    queries: &[&[f32]],
+    seen: impl Fn(usize) -> usize,
+    k: &View<T>,
+    kvh: usize,
+    j0: usize,
+    keys: usize,
+    scale: f32,
+    mut put: impl FnMut(usize, usize, f32),
+) {
+    let at = |c: usize| (j0 + c).min(keys - 1);
+    let rows: [&[T]; 8] = std::array::from_fn(|c| k.row(kvh, at(c)));
+    let factors: [f32; 8] = std::array::from_fn(|c| key_factor(k, kvh, at(c), scale));
+    let mut a = 0;
+    while a < queries.len() {
+        let take = match queries.len() - a {
+            1 => 1,
+            3 => 3,
+            _ => 2,
+        };
+        if (a..a + take).any(|b| j0 < seen(b)) {
+            let got = scores_of(&queries[a..a + take], rows);
+            for (b, got) in (a..a + take).zip(got) {
+                let end = seen(b).min(j0 + 8);
+                for ((j, g), f) in (j0..end).zip(got).zip(factors) {
+                    put(b, j, g * f);
+                }
+            }
+        }
+        a += take;
     }
 }
 

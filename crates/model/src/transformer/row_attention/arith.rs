@@ -257,19 +257,32 @@ pub(super) fn max_of(xs: &[f32]) -> f32 {
 /// One value of [`exp_minus`]'s exponential: Cephes' single-precision one (relative
 /// error about 1e-7).
 pub(super) fn exp(x: f32) -> f32 {
-    let x = x.clamp(-87.3, 88.7);
+    let x = x.clamp(EXP_LOW, EXP_HIGH);
     // x = n·ln 2 + r, |r| ≤ ln 2 / 2; n rounded to nearest by the 1.5·2²³ trick.
-    let n = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let p = 1.987_569_1e-4;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 0.166_666_65;
-    let p = p * r + 0.5;
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = x - n * LN2_HIGH - n * LN2_LOW;
+    let p = EXP_POLY[1..].iter().fold(EXP_POLY[0], |p, &c| p * r + c);
     let e = p * r * r + r + 1.0;
     e * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
+
+/// [`exp`]'s arguments are clamped to these (beyond them f32 over- or underflows).
+const EXP_LOW: f32 = -87.3;
+const EXP_HIGH: f32 = 88.7;
+/// 1.5·2²³: added and taken away, it rounds to an integer.
+const ROUND: f32 = 12_582_912.0;
+/// ln 2 in two parts, so `n · ln 2` is taken away without losing `r`'s low bits.
+const LN2_HIGH: f32 = 0.693_359_4;
+const LN2_LOW: f32 = -2.121_944_4e-4;
+/// Cephes' polynomial for `(e^r − 1 − r) / r²`, highest power first.
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
 
 /// `x ← e^(x − max)` for every `x`, and their sum (eight lanes, then the lanes in
 /// order): [`exp`] eight values at a time; libm's `expf` one value at a time was most of
@@ -289,27 +302,21 @@ pub(super) fn exp_minus(xs: &mut [f32], max: f32) -> f32 {
         // compiler left the plain loop scalar (the clamp and the cast), 5 cycles a value.
         use std::arch::x86_64::*;
         let c = |v: f32| _mm256_set1_ps(v);
-        let (magic, m) = (c(12_582_912.0), c(max));
+        let (magic, m) = (c(ROUND), c(max));
         let mut sums = _mm256_setzero_ps();
         for ch in &mut chunks {
             let x = _mm256_sub_ps(_mm256_loadu_ps(ch.as_ptr()), m);
-            let x = _mm256_min_ps(_mm256_max_ps(x, c(-87.3)), c(88.7));
+            let x = _mm256_min_ps(_mm256_max_ps(x, c(EXP_LOW)), c(EXP_HIGH));
             let n = _mm256_sub_ps(
                 _mm256_add_ps(_mm256_mul_ps(x, c(std::f32::consts::LOG2_E)), magic),
                 magic,
             );
             let r = _mm256_sub_ps(
-                _mm256_sub_ps(x, _mm256_mul_ps(n, c(0.693_359_4))),
-                _mm256_mul_ps(n, c(-2.121_944_4e-4)),
+                _mm256_sub_ps(x, _mm256_mul_ps(n, c(LN2_HIGH))),
+                _mm256_mul_ps(n, c(LN2_LOW)),
             );
-            let mut p = c(1.987_569_1e-4);
-            for k in [
-                1.398_199_9e-3,
-                8.333_452e-3,
-                4.166_579_6e-2,
-                0.166_666_65,
-                0.5,
-            ] {
+            let mut p = c(EXP_POLY[0]);
+            for &k in &EXP_POLY[1..] {
                 p = _mm256_add_ps(_mm256_mul_ps(p, r), c(k));
             }
             let e = _mm256_add_ps(

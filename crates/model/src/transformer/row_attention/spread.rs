@@ -16,8 +16,8 @@
 //! A query's scores, weights and sums are the operations `block` does, in its order, so
 //! a row's result is the same bit for bit whichever way it went.
 
-use super::arith::{Elem, scores_of};
-use super::{BLOCK_ROWS, KeysValues, Problem, View, key_factor, normalize, share_out};
+use super::arith::Elem;
+use super::{BLOCK_ROWS, KeysValues, Problem, View, normalize, score_eight, share_out};
 
 /// Keys a unit of the score pass takes: a multiple of 8, so its passes of eight keys are
 /// `block`'s.
@@ -62,31 +62,12 @@ fn attend_over<T: Elem>(p: &Problem, k: &View<T>, v: &View<T>, scale: f32, out: 
         let queries: Vec<&[f32]> = (0..per_kv).map(|a| query(kvh, a)).collect();
         let keys_end = ((chunk + 1) * KEY_CHUNK).min(n);
         for j0 in (chunk * KEY_CHUNK..keys_end).step_by(8) {
-            let at = |c: usize| (j0 + c).min(n - 1);
-            let keys: [&[T]; 8] = std::array::from_fn(|c| k.row(kvh, at(c)));
-            let factors: [f32; 8] = std::array::from_fn(|c| key_factor(k, kvh, at(c), scale));
-            let mut a = 0;
-            while a < per_kv {
-                let take = match per_kv - a {
-                    1 => 1,
-                    3 => 3,
-                    _ => 2,
-                };
-                if (a..a + take).any(|b| j0 < seen(b)) {
-                    let got = scores_of(&queries[a..a + take], keys);
-                    for (b, got) in (a..a + take).zip(got) {
-                        let end = seen(b).min(j0 + 8);
-                        let base = (kvh * per_kv + b) * n;
-                        for ((j, g), f) in (j0..end).zip(got).zip(factors) {
-                            // SAFETY: score `j` of query `b` of this KV head is this
-                            // unit's alone (its chunk of keys); the buffer holds
-                            // `heads · t · n`.
-                            unsafe { *(scores_at as *mut f32).add(base + j) = g * f };
-                        }
-                    }
-                }
-                a += take;
-            }
+            let put = |b: usize, j: usize, s: f32| {
+                // SAFETY: score `j` of query `b` of this KV head is this unit's alone
+                // (its chunk of keys); the buffer holds `heads · t · n`.
+                unsafe { *(scores_at as *mut f32).add((kvh * per_kv + b) * n + j) = s };
+            };
+            score_eight(&queries, seen, k, kvh, j0, n, scale, put);
         }
     });
 
@@ -109,20 +90,18 @@ fn attend_over<T: Elem>(p: &Problem, k: &View<T>, v: &View<T>, scale: f32, out: 
             )
         };
         for row in 0..t {
-            // The heads of the group for this row see the same keys.
-            let mine: Vec<usize> = (0..group).map(|h| h * t + row).collect();
-            for three in mine.chunks(QUERIES) {
-                let probs: Vec<&[f32]> = three.iter().map(|&a| weights(a)).collect();
-                let outs: Vec<usize> = three
-                    .iter()
-                    .map(|&a| {
-                        let head = kvh * group + a / t;
-                        out_at + ((row * heads + head) * hd + start) * size_of::<f32>()
-                    })
-                    .collect();
+            // The heads of the group for this row see the same keys: up to three at a time.
+            for first in (0..group).step_by(QUERIES) {
+                let count = QUERIES.min(group - first);
+                let head = |i: usize| first + i.min(count - 1);
+                let probs: [&[f32]; QUERIES] = std::array::from_fn(|i| weights(head(i) * t + row));
+                let outs: [usize; QUERIES] = std::array::from_fn(|i| {
+                    let h = kvh * group + head(i);
+                    out_at + ((row * heads + h) * hd + start) * size_of::<f32>()
+                });
                 // SAFETY: each output piece (row, head, start..start + PIECE) is this
                 // unit's alone; `out` holds `t · heads · hd`.
-                unsafe { weigh_piece(&outs, &probs, v, kvh, start) };
+                unsafe { weigh_piece(&outs[..count], &probs[..count], v, kvh, start) };
             }
         }
     });
