@@ -539,26 +539,18 @@ fn where_a_lone_row_computes_alike_a_prompt_slice_may_be_one_row() {
         ]
     );
     // A slice may leave one row, and the last row may be read alone.
-    let r = [running(1, 4, 4), running(2, 100, 96)];
-    assert_eq!(
-        next_step(&r, &l, 3)[1],
-        Work::Prefill {
-            id: 2,
-            start: 96,
-            len: 3,
-            last: false
-        }
-    );
-    let r = [running(1, 4, 4), running(2, 100, 99)];
-    assert_eq!(
-        next_step(&r, &l, 3)[1],
-        Work::Prefill {
-            id: 2,
-            start: 99,
-            len: 1,
-            last: true
-        }
-    );
+    for (start, len, last) in [(96, 3, false), (99, 1, true)] {
+        let r = [running(1, 4, 4), running(2, 100, start)];
+        assert_eq!(
+            next_step(&r, &l, 3)[1],
+            Work::Prefill {
+                id: 2,
+                start,
+                len,
+                last
+            }
+        );
+    }
 }
 
 #[test]
