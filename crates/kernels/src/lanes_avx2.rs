@@ -18,6 +18,10 @@
 //! Every (row, token) pair is computed by the same operations in the same order, however
 //! many rows and tokens share the call, so a token's result is bit for bit the one it gets
 //! alone.
+//!
+//! A batch of tokens over Q4_0, Q4_1, Q4_K and Q8_0 takes [`dot_tokens`]: one row and up
+//! to 8 tokens a pass, every sum in a register (two rows of four tokens spilled AVX2's 16
+//! registers to the stack at every product).
 
 #![cfg(target_arch = "x86_64")]
 
@@ -34,7 +38,47 @@ use crate::lanes::{BYTES, LaneActs, Lanes, NARROW, NIBBLES, NIBBLES_AND_BITS, SI
 /// of [`NARROW`]; `out` points at `tokens * w.rows` floats of which no other thread
 /// writes `range`.
 pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
-    crate::lanes::pass_rows!(dot, w, x, range, out)
+    let kind = w.inner_loop();
+    let tokens = x.tokens();
+    if tokens == 1 || !(kind == NIBBLES || kind == BYTES) {
+        crate::lanes::pass_rows!(dot, w, x, range, out);
+        return;
+    }
+    let n = w.rows;
+    for row in range {
+        let mut tok = 0;
+        while tok < tokens {
+            macro_rules! run {
+                ($t:literal) => {{
+                    let mut vals = [0f32; $t];
+                    // SAFETY: the features are the caller's contract; row and tokens in
+                    // range.
+                    unsafe {
+                        if kind == NIBBLES {
+                            dot_tokens::<$t, NIBBLES>(w, row, x, tok, &mut vals)
+                        } else {
+                            dot_tokens::<$t, BYTES>(w, row, x, tok, &mut vals)
+                        }
+                    }
+                    for (j, v) in vals.iter().enumerate() {
+                        // SAFETY: this thread's rows of `out` (the contract).
+                        unsafe { *out.add((tok + j) * n + row) = *v };
+                    }
+                    $t
+                }};
+            }
+            tok += match tokens - tok {
+                1 => run!(1),
+                2 => run!(2),
+                3 => run!(3),
+                4 => run!(4),
+                5 => run!(5),
+                6 => run!(6),
+                7 => run!(7),
+                _ => run!(8),
+            };
+        }
+    }
 }
 
 /// How far ahead of the group in hand the quants are prefetched, in bytes (smollm2 on two
@@ -51,8 +95,18 @@ unsafe fn halves(at: *const u16, n: usize) -> __m256 {
         if n == NARROW {
             _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i))
         } else {
+            // Copies of constant size: a copy of `n` became a call to memcpy, around
+            // which every vector register in use was saved.
             let mut tail = [0u16; NARROW];
-            std::ptr::copy_nonoverlapping(at, tail.as_mut_ptr(), n);
+            macro_rules! copy {
+                ($($k:literal)*) => {
+                    match n {
+                        $($k => std::ptr::copy_nonoverlapping(at, tail.as_mut_ptr(), $k),)*
+                        _ => unreachable!("a partial group of {n} blocks"),
+                    }
+                };
+            }
+            copy!(1 2 3 4 5 6 7);
             _mm256_cvtph_ps(_mm_loadu_si128(tail.as_ptr() as *const __m128i))
         }
     }
@@ -255,4 +309,147 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             out[t][r] = crate::fused::hsum(acc[r][t]);
         }
     }
+}
+
+/// Rows `range` of `w` times tokens `first..first + T` for the kinds whose products
+/// need no extra bit planes ([`NIBBLES`], [`BYTES`]): one row at a time, so a group's
+/// weights are decoded once into two registers and every token's sums stay in registers
+/// too (up to 8 tokens: 8 sums, the weights, the mask and the loads fit AVX2's 16
+/// registers, where two rows of four tokens spilled them).
+///
+/// Per (row, token) the same operations in the same order as [`dot`] (the integer sums
+/// are exact; the float steps are [`dot`]'s), so a token's result is bit for bit its
+/// lone run's.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_tokens<const T: usize, const KIND: u8>(
+    w: &Lanes,
+    row: usize,
+    x: &LaneActs,
+    first: usize,
+    out: &mut [f32; T],
+) {
+    debug_assert!(KIND == NIBBLES || KIND == BYTES);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
+    let offset_of_d = _mm256_set1_ps(match w.ty {
+        BlockType::Q4_0 => -8.0,
+        _ => -16.0,
+    });
+    let scales_ahead = AHEAD * hpb * 2 / qb;
+    let meta_ahead = AHEAD / (NARROW * qb) / 2;
+    let row_q = row * blocks * qb;
+    for g in 0..groups {
+        let n = (blocks - g * NARROW).min(NARROW);
+        let mask = _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        );
+        let at = row_q + g * NARROW * qb;
+        // As in [`dot`]: the quants AHEAD bytes ahead, the scales as far ahead in rows.
+        for line in (0..NARROW * qb).step_by(64) {
+            fetch(w.q.as_ptr(), at + line + AHEAD);
+        }
+        if let Some(k) = &w.k {
+            fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, meta_ahead));
+        } else {
+            fetch(
+                w.h.as_ptr() as *const u8,
+                (row * blocks + g * NARROW) * hpb * 2 + scales_ahead,
+            );
+        }
+        // SAFETY: activations hold 32·NARROW bytes per token and group.
+        let xg: [*const i8; T] = std::array::from_fn(|t| unsafe {
+            x.q.as_ptr().add(((first + t) * groups + g) * 32 * NARROW)
+        });
+        let mut dots = [_mm256_setzero_si256(); T];
+        // SAFETY: vector `v` of the group is `n * 4` bytes, loaded whole (a full group) or
+        // by the mask; activations hold 8 vectors of 32 bytes a group.
+        unsafe {
+            let load = |v: usize| {
+                let p = w.q.as_ptr().add(at + v * n * 4);
+                if n == NARROW {
+                    _mm256_loadu_si256(p as *const __m256i)
+                } else {
+                    _mm256_maskload_epi32(p as *const i32, mask)
+                }
+            };
+            if KIND == NIBBLES {
+                // A whole group's 16-bit sums fit (see the module comment): widened once.
+                let mut part = [_mm256_setzero_si256(); T];
+                for v in 0..4 {
+                    let raw = load(v);
+                    let lo = _mm256_and_si256(raw, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+                    for t in 0..T {
+                        let xl = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
+                        let xh = _mm256_loadu_si256(xg[t].add((4 + v) * 32) as *const __m256i);
+                        let p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo, xl),
+                            _mm256_maddubs_epi16(hi, xh),
+                        );
+                        part[t] = settled(_mm256_add_epi16(part[t], p));
+                    }
+                }
+                for t in 0..T {
+                    dots[t] = _mm256_madd_epi16(part[t], ones);
+                }
+            } else {
+                for v in 0..8 {
+                    let raw = load(v);
+                    let mag = _mm256_sign_epi8(raw, raw);
+                    for t in 0..T {
+                        let xv = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
+                        let p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, raw));
+                        dots[t] = settled(_mm256_add_epi32(dots[t], _mm256_madd_epi16(p, ones)));
+                    }
+                }
+            }
+        }
+        // SAFETY: the group's `n` scales (and offsets) of `row`; `width` activation scales
+        // and sums per group.
+        unsafe {
+            let (d, c) = if let Some(k) = &w.k {
+                let (d, c) = crate::lanes::k::narrow_scales(k, row, g);
+                (d, Some(c))
+            } else {
+                let at = w.h.as_ptr().add(row * blocks * hpb + g * NARROW * hpb);
+                let d = halves(at, n);
+                let c = match w.ty {
+                    BlockType::Q4_1 => Some(halves(at.add(n), n)),
+                    BlockType::Q8_0 => None,
+                    _ => Some(_mm256_mul_ps(d, offset_of_d)),
+                };
+                (d, c)
+            };
+            for t in 0..T {
+                let xat = ((first + t) * groups + g) * NARROW;
+                let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
+                if let Some(c) = c {
+                    let sum = _mm256_loadu_ps(x.sum.as_ptr().add(xat));
+                    acc[t] = _mm256_fmadd_ps(c, sum, acc[t]);
+                }
+                let scale = _mm256_mul_ps(d, dx);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), scale, acc[t]);
+            }
+        }
+    }
+    for t in 0..T {
+        out[t] = crate::fused::hsum(acc[t]);
+    }
+}
+
+/// `v` unchanged, through an empty instruction the compiler cannot see into: a sum
+/// accumulated through it is added in the order written. Integer additions reassociate,
+/// and without this LLVM computed a whole vector's products for every token before adding
+/// any, which needed more registers than AVX2 has and spilled them to the stack.
+#[inline(always)]
+fn settled(mut v: __m256i) -> __m256i {
+    // SAFETY: the instruction is empty: it reads and writes nothing.
+    unsafe {
+        std::arch::asm!("/* {0} */", inout(ymm_reg) v, options(pure, nomem, nostack, preserves_flags));
+    }
+    v
 }
