@@ -19,9 +19,9 @@
 //! many rows and tokens share the call, so a token's result is bit for bit the one it gets
 //! alone.
 //!
-//! A batch of tokens over Q4_0, Q4_1, Q4_K and Q8_0 takes [`dot_tokens`]: one row and up
-//! to 8 tokens a pass, every sum in a register (two rows of four tokens spilled AVX2's 16
-//! registers to the stack at every product).
+//! A batch of tokens takes [`dot_tokens`]: one row and up to 8 tokens a pass, every sum
+//! in a register (two rows of four tokens spilled AVX2's 16 registers to the stack at
+//! every product). A lone token keeps [`dot`]'s four rows a pass.
 
 #![cfg(target_arch = "x86_64")]
 
@@ -40,7 +40,7 @@ use crate::lanes::{BYTES, LaneActs, Lanes, NARROW, NIBBLES, NIBBLES_AND_BITS, SI
 pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>, out: *mut f32) {
     let kind = w.inner_loop();
     let tokens = x.tokens();
-    if tokens == 1 || !(kind == NIBBLES || kind == BYTES) {
+    if tokens == 1 {
         crate::lanes::pass_rows!(dot, w, x, range, out);
         return;
     }
@@ -54,10 +54,11 @@ pub(crate) unsafe fn rows(w: &Lanes, x: &LaneActs, range: std::ops::Range<usize>
                     // SAFETY: the features are the caller's contract; row and tokens in
                     // range.
                     unsafe {
-                        if kind == NIBBLES {
-                            dot_tokens::<$t, NIBBLES>(w, row, x, tok, &mut vals)
-                        } else {
-                            dot_tokens::<$t, BYTES>(w, row, x, tok, &mut vals)
+                        match kind {
+                            BYTES => dot_tokens::<$t, BYTES>(w, row, x, tok, &mut vals),
+                            SIX_BITS => dot_tokens::<$t, SIX_BITS>(w, row, x, tok, &mut vals),
+                            NIBBLES => dot_tokens::<$t, NIBBLES>(w, row, x, tok, &mut vals),
+                            _ => dot_tokens::<$t, NIBBLES_AND_BITS>(w, row, x, tok, &mut vals),
                         }
                     }
                     for (j, v) in vals.iter().enumerate() {
@@ -311,11 +312,10 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
     }
 }
 
-/// Rows `range` of `w` times tokens `first..first + T` for the kinds whose products
-/// need no extra bit planes ([`NIBBLES`], [`BYTES`]): one row at a time, so a group's
+/// Row `row` of `w` times tokens `first..first + T`, one row at a time: a group's
 /// weights are decoded once into two registers and every token's sums stay in registers
-/// too (up to 8 tokens: 8 sums, the weights, the mask and the loads fit AVX2's 16
-/// registers, where two rows of four tokens spilled them).
+/// too (up to 8 tokens: 8 sums, the weights, the constants and the loads fit AVX2's 16
+/// registers, where [`dot`]'s two rows of four tokens spilled them).
 ///
 /// Per (row, token) the same operations in the same order as [`dot`] (the integer sums
 /// are exact; the float steps are [`dot`]'s), so a token's result is bit for bit its
@@ -329,18 +329,26 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
     first: usize,
     out: &mut [f32; T],
 ) {
-    debug_assert!(KIND == NIBBLES || KIND == BYTES);
     let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
+    let minus32 = _mm256_set1_ps(-32.0);
     let mut acc = [_mm256_setzero_ps(); T];
     let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
     let offset_of_d = _mm256_set1_ps(match w.ty {
         BlockType::Q4_0 => -8.0,
         _ => -16.0,
     });
+    let vectors = if KIND == BYTES { 8 } else { 4 };
+    let widen_every = match KIND {
+        NIBBLES => 4,
+        NIBBLES_AND_BITS => 2,
+        _ => 1,
+    };
+    let ahead = AHEAD / (NARROW * qb);
     let scales_ahead = AHEAD * hpb * 2 / qb;
-    let meta_ahead = AHEAD / (NARROW * qb) / 2;
     let row_q = row * blocks * qb;
+    // SAFETY: activations hold 32·NARROW bytes per token and group.
+    let x_first = unsafe { x.q.as_ptr().add(first * groups * 32 * NARROW) };
     for g in 0..groups {
         let n = (blocks - g * NARROW).min(NARROW);
         let mask = _mm256_cmpgt_epi32(
@@ -348,44 +356,80 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
         );
         let at = row_q + g * NARROW * qb;
-        // As in [`dot`]: the quants AHEAD bytes ahead, the scales as far ahead in rows.
+        // As in [`dot`]: the quants AHEAD bytes ahead, the scales and bits as far ahead
+        // in rows.
         for line in (0..NARROW * qb).step_by(64) {
             fetch(w.q.as_ptr(), at + line + AHEAD);
         }
         if let Some(k) = &w.k {
-            fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, meta_ahead));
+            fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, ahead / 2));
         } else {
             fetch(
                 w.h.as_ptr() as *const u8,
                 (row * blocks + g * NARROW) * hpb * 2 + scales_ahead,
             );
         }
-        // SAFETY: activations hold 32·NARROW bytes per token and group.
-        let xg: [*const i8; T] = std::array::from_fn(|t| unsafe {
-            x.q.as_ptr().add(((first + t) * groups + g) * 32 * NARROW)
-        });
+        for plane in [&w.bits, &w.bits6] {
+            if !plane.is_empty() {
+                fetch(plane.as_ptr() as *const u8, (row * groups + g + ahead) * 32);
+            }
+        }
+        // SAFETY: token `t`'s group `g` (activations hold 32·NARROW bytes per token and
+        // group).
+        let xg = |t: usize| unsafe { x_first.add((t * groups + g) * 32 * NARROW) };
+        // Q6_K: each half's products widened at once by its 8-bit scale (as in [`dot`]).
+        let (s6l, s6h) = match &w.k {
+            // SAFETY: row `row`'s record for group `g`.
+            Some(k) if KIND == SIX_BITS => unsafe {
+                crate::lanes::k::narrow_scales6_i16(k, row, g)
+            },
+            _ => (ones, ones),
+        };
         let mut dots = [_mm256_setzero_si256(); T];
-        // SAFETY: vector `v` of the group is `n * 4` bytes, loaded whole (a full group) or
-        // by the mask; activations hold 8 vectors of 32 bytes a group.
-        unsafe {
-            let load = |v: usize| {
+        let mut part = [_mm256_setzero_si256(); T];
+        for v in 0..vectors {
+            // SAFETY: vector `v` of the group is `n * 4` bytes, loaded whole (a full group)
+            // or by the mask; activations hold 8 vectors of 32 bytes a group; the bit
+            // planes hold a word a product.
+            unsafe {
                 let p = w.q.as_ptr().add(at + v * n * 4);
-                if n == NARROW {
+                let raw = if n == NARROW {
                     _mm256_loadu_si256(p as *const __m256i)
                 } else {
                     _mm256_maskload_epi32(p as *const i32, mask)
+                };
+                if KIND == BYTES {
+                    let mag = _mm256_sign_epi8(raw, raw);
+                    for (t, dot) in dots.iter_mut().enumerate() {
+                        let xv = _mm256_loadu_si256(xg(t).add(v * 32) as *const __m256i);
+                        let p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, raw));
+                        *dot = settled(_mm256_add_epi32(*dot, _mm256_madd_epi16(p, ones)));
+                    }
+                    continue;
                 }
-            };
-            if KIND == NIBBLES {
-                // A whole group's 16-bit sums fit (see the module comment): widened once.
-                let mut part = [_mm256_setzero_si256(); T];
-                for v in 0..4 {
-                    let raw = load(v);
-                    let lo = _mm256_and_si256(raw, m4);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                    for t in 0..T {
-                        let xl = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
-                        let xh = _mm256_loadu_si256(xg[t].add((4 + v) * 32) as *const __m256i);
+                let mut lo = _mm256_and_si256(raw, m4);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+                if KIND == NIBBLES_AND_BITS || KIND == SIX_BITS {
+                    let slot = (row * groups + g) * 4 + v;
+                    let planes = *w.bits.as_ptr().add(slot);
+                    lo = _mm256_or_si256(lo, crate::fused::high_bits(planes as u32));
+                    hi = _mm256_or_si256(hi, crate::fused::high_bits((planes >> 32) as u32));
+                    if KIND == SIX_BITS {
+                        let planes = *w.bits6.as_ptr().add(slot);
+                        let six = crate::fused::high_bits(planes as u32);
+                        lo = _mm256_or_si256(lo, _mm256_add_epi8(six, six));
+                        let six = crate::fused::high_bits((planes >> 32) as u32);
+                        hi = _mm256_or_si256(hi, _mm256_add_epi8(six, six));
+                    }
+                }
+                for t in 0..T {
+                    let xl = _mm256_loadu_si256(xg(t).add(v * 32) as *const __m256i);
+                    let xh = _mm256_loadu_si256(xg(t).add((4 + v) * 32) as *const __m256i);
+                    if KIND == SIX_BITS {
+                        let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), s6l);
+                        let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), s6h);
+                        dots[t] = settled(_mm256_add_epi32(dots[t], _mm256_add_epi32(pl, ph)));
+                    } else {
                         let p = _mm256_add_epi16(
                             _mm256_maddubs_epi16(lo, xl),
                             _mm256_maddubs_epi16(hi, xh),
@@ -393,17 +437,10 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
                         part[t] = settled(_mm256_add_epi16(part[t], p));
                     }
                 }
-                for t in 0..T {
-                    dots[t] = _mm256_madd_epi16(part[t], ones);
-                }
-            } else {
-                for v in 0..8 {
-                    let raw = load(v);
-                    let mag = _mm256_sign_epi8(raw, raw);
+                if KIND != SIX_BITS && (v + 1) % widen_every == 0 {
                     for t in 0..T {
-                        let xv = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
-                        let p = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(xv, raw));
-                        dots[t] = settled(_mm256_add_epi32(dots[t], _mm256_madd_epi16(p, ones)));
+                        dots[t] = _mm256_add_epi32(dots[t], _mm256_madd_epi16(part[t], ones));
+                        part[t] = _mm256_setzero_si256();
                     }
                 }
             }
@@ -411,6 +448,23 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
         // SAFETY: the group's `n` scales (and offsets) of `row`; `width` activation scales
         // and sums per group.
         unsafe {
+            if let Some(k) = w.k.as_ref().filter(|_| KIND == SIX_BITS) {
+                let (lo, hi) = crate::lanes::k::narrow_scales6(k, row, g);
+                let (clo, chi) = (_mm256_mul_ps(lo, minus32), _mm256_mul_ps(hi, minus32));
+                let d = _mm256_set1_ps(crate::lanes::k::number(k, row, g, 0));
+                for t in 0..T {
+                    let xat = ((first + t) * groups + g) * NARROW;
+                    let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
+                    let slo = _mm256_loadu_ps(x.sum_lo.as_ptr().add(xat));
+                    let shi = _mm256_loadu_ps(x.sum_hi.as_ptr().add(xat));
+                    let a = &mut acc[t];
+                    *a = _mm256_fmadd_ps(clo, slo, *a);
+                    *a = _mm256_fmadd_ps(chi, shi, *a);
+                    let dot = _mm256_cvtepi32_ps(dots[t]);
+                    *a = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), *a);
+                }
+                continue;
+            }
             let (d, c) = if let Some(k) = &w.k {
                 let (d, c) = crate::lanes::k::narrow_scales(k, row, g);
                 (d, Some(c))
