@@ -37,6 +37,13 @@ fn main() {
         if only_type.as_ref().is_some_and(|o| *o != format!("{ty:?}")) {
             continue;
         }
+        if cols % ty.block_size() != 0 {
+            println!(
+                "{ty:?}: skipped ({cols} columns are not whole blocks of {})",
+                ty.block_size()
+            );
+            continue;
+        }
         let mut data: Vec<u8> = (0..rows * ty.row_bytes(cols))
             .map(|i| (i * 31 % 251) as u8)
             .collect();
