@@ -124,15 +124,10 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
     first: usize,
     out: &mut [[f32; R]; T],
 ) {
-    let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
     // Q4_0's and Q5_0's offsets are fixed multiples of the scale (exact in f32).
-    let offset_of_d = _mm256_set1_ps(match w.ty {
-        BlockType::Q4_0 => -8.0,
-        _ => -16.0,
-    });
     // Products of 16-bit sums added before widening (see the module comment).
     // Vectors of 4 bytes a block in a group: 32 weights a byte or two a byte.
     let vectors = if KIND == BYTES { 8 } else { 4 };
@@ -142,7 +137,6 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
         NIBBLES_AND_BITS => 2,
         _ => 1,
     };
-    let minus32 = _mm256_set1_ps(-32.0);
     // Q4_K's and Q6_K's scales: a record of 16 blocks' values holds two groups'.
     let ahead = AHEAD / (NARROW * qb);
     for g in 0..groups {
@@ -205,24 +199,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                         _mm256_maskload_epi32(p as *const i32, mask)
                     };
                     if KIND != BYTES {
-                        let mut lo = _mm256_and_si256(raw, m4);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                        if KIND == NIBBLES_AND_BITS || KIND == SIX_BITS {
-                            // This product's word: the low nibbles' bits, then the high ones'.
-                            let slot = (rows[r] * groups + g) * 4 + v;
-                            let planes = *w.bits.as_ptr().add(slot);
-                            lo = _mm256_or_si256(lo, crate::fused::high_bits(planes as u32));
-                            hi =
-                                _mm256_or_si256(hi, crate::fused::high_bits((planes >> 32) as u32));
-                            if KIND == SIX_BITS {
-                                // 0x10 doubled: the sixth bit.
-                                let planes = *w.bits6.as_ptr().add(slot);
-                                let six = crate::fused::high_bits(planes as u32);
-                                lo = _mm256_or_si256(lo, _mm256_add_epi8(six, six));
-                                let six = crate::fused::high_bits((planes >> 32) as u32);
-                                hi = _mm256_or_si256(hi, _mm256_add_epi8(six, six));
-                            }
-                        }
+                        let (lo, hi) = weights::<KIND>(w, (rows[r] * groups + g) * 4 + v, raw);
                         for t in 0..T {
                             let xl = _mm256_loadu_si256(xg[t].add(v * 32) as *const __m256i);
                             let xh = _mm256_loadu_si256(xg[t].add((4 + v) * 32) as *const __m256i);
@@ -261,46 +238,10 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             // SAFETY: the group's `n` scales (and offsets) of row `rows[r]`; `width`
             // activation scales and sums per group.
             unsafe {
-                if let Some(k) = w.k.as_ref().filter(|_| KIND == SIX_BITS) {
-                    // Q6_K: w = d·sc·(q − 32) a half, q unsigned; the sums hold sc·Σq·x.
-                    let (lo, hi) = crate::lanes::k::narrow_scales6(k, rows[r], g);
-                    let (clo, chi) = (_mm256_mul_ps(lo, minus32), _mm256_mul_ps(hi, minus32));
-                    let d = _mm256_set1_ps(crate::lanes::k::number(k, rows[r], g, 0));
-                    for t in 0..T {
-                        let xat = ((first + t) * groups + g) * NARROW;
-                        let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
-                        let slo = _mm256_loadu_ps(x.sum_lo.as_ptr().add(xat));
-                        let shi = _mm256_loadu_ps(x.sum_hi.as_ptr().add(xat));
-                        let a = &mut acc[r][t];
-                        *a = _mm256_fmadd_ps(clo, slo, *a);
-                        *a = _mm256_fmadd_ps(chi, shi, *a);
-                        let dot = _mm256_cvtepi32_ps(dots[r][t]);
-                        *a = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), *a);
-                    }
-                    continue;
-                }
-                let (d, c) = if let Some(k) = &w.k {
-                    let (d, c) = crate::lanes::k::narrow_scales(k, rows[r], g);
-                    (d, Some(c))
-                } else {
-                    let at = w.h.as_ptr().add(rows[r] * blocks * hpb + g * NARROW * hpb);
-                    let d = halves(at, n);
-                    let c = match w.ty {
-                        BlockType::Q4_1 => Some(halves(at.add(n), n)),
-                        BlockType::Q8_0 => None,
-                        _ => Some(_mm256_mul_ps(d, offset_of_d)),
-                    };
-                    (d, c)
-                };
+                let scales = group_scales::<KIND>(w, rows[r], g, n);
                 for t in 0..T {
                     let xat = ((first + t) * groups + g) * NARROW;
-                    let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
-                    if let Some(c) = c {
-                        let sum = _mm256_loadu_ps(x.sum.as_ptr().add(xat));
-                        acc[r][t] = _mm256_fmadd_ps(c, sum, acc[r][t]);
-                    }
-                    let scale = _mm256_mul_ps(d, dx);
-                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][t]), scale, acc[r][t]);
+                    acc[r][t] = add_group(acc[r][t], &scales, dots[r][t], x, xat);
                 }
             }
         }
@@ -329,15 +270,9 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
     first: usize,
     out: &mut [f32; T],
 ) {
-    let m4 = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
-    let minus32 = _mm256_set1_ps(-32.0);
     let mut acc = [_mm256_setzero_ps(); T];
     let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
-    let offset_of_d = _mm256_set1_ps(match w.ty {
-        BlockType::Q4_0 => -8.0,
-        _ => -16.0,
-    });
     let vectors = if KIND == BYTES { 8 } else { 4 };
     let widen_every = match KIND {
         NIBBLES => 4,
@@ -407,21 +342,7 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
                     }
                     continue;
                 }
-                let mut lo = _mm256_and_si256(raw, m4);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                if KIND == NIBBLES_AND_BITS || KIND == SIX_BITS {
-                    let slot = (row * groups + g) * 4 + v;
-                    let planes = *w.bits.as_ptr().add(slot);
-                    lo = _mm256_or_si256(lo, crate::fused::high_bits(planes as u32));
-                    hi = _mm256_or_si256(hi, crate::fused::high_bits((planes >> 32) as u32));
-                    if KIND == SIX_BITS {
-                        let planes = *w.bits6.as_ptr().add(slot);
-                        let six = crate::fused::high_bits(planes as u32);
-                        lo = _mm256_or_si256(lo, _mm256_add_epi8(six, six));
-                        let six = crate::fused::high_bits((planes >> 32) as u32);
-                        hi = _mm256_or_si256(hi, _mm256_add_epi8(six, six));
-                    }
-                }
+                let (lo, hi) = weights::<KIND>(w, (row * groups + g) * 4 + v, raw);
                 for t in 0..T {
                     let xl = _mm256_loadu_si256(xg(t).add(v * 32) as *const __m256i);
                     let xh = _mm256_loadu_si256(xg(t).add((4 + v) * 32) as *const __m256i);
@@ -448,50 +369,132 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
         // SAFETY: the group's `n` scales (and offsets) of `row`; `width` activation scales
         // and sums per group.
         unsafe {
-            if let Some(k) = w.k.as_ref().filter(|_| KIND == SIX_BITS) {
-                let (lo, hi) = crate::lanes::k::narrow_scales6(k, row, g);
-                let (clo, chi) = (_mm256_mul_ps(lo, minus32), _mm256_mul_ps(hi, minus32));
-                let d = _mm256_set1_ps(crate::lanes::k::number(k, row, g, 0));
-                for t in 0..T {
-                    let xat = ((first + t) * groups + g) * NARROW;
-                    let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
-                    let slo = _mm256_loadu_ps(x.sum_lo.as_ptr().add(xat));
-                    let shi = _mm256_loadu_ps(x.sum_hi.as_ptr().add(xat));
-                    let a = &mut acc[t];
-                    *a = _mm256_fmadd_ps(clo, slo, *a);
-                    *a = _mm256_fmadd_ps(chi, shi, *a);
-                    let dot = _mm256_cvtepi32_ps(dots[t]);
-                    *a = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), *a);
-                }
-                continue;
-            }
-            let (d, c) = if let Some(k) = &w.k {
-                let (d, c) = crate::lanes::k::narrow_scales(k, row, g);
-                (d, Some(c))
-            } else {
-                let at = w.h.as_ptr().add(row * blocks * hpb + g * NARROW * hpb);
-                let d = halves(at, n);
-                let c = match w.ty {
-                    BlockType::Q4_1 => Some(halves(at.add(n), n)),
-                    BlockType::Q8_0 => None,
-                    _ => Some(_mm256_mul_ps(d, offset_of_d)),
-                };
-                (d, c)
-            };
+            let scales = group_scales::<KIND>(w, row, g, n);
             for t in 0..T {
                 let xat = ((first + t) * groups + g) * NARROW;
-                let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
-                if let Some(c) = c {
-                    let sum = _mm256_loadu_ps(x.sum.as_ptr().add(xat));
-                    acc[t] = _mm256_fmadd_ps(c, sum, acc[t]);
-                }
-                let scale = _mm256_mul_ps(d, dx);
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[t]), scale, acc[t]);
+                acc[t] = add_group(acc[t], &scales, dots[t], x, xat);
             }
         }
     }
     for t in 0..T {
         out[t] = crate::fused::hsum(acc[t]);
+    }
+}
+
+/// Product `slot`'s weights of a nibble kind as two vectors of bytes: the low nibbles of
+/// `raw` and its high nibbles, with their fifth (Q5_0, Q6_K) and sixth (Q6_K) bits from
+/// the planes.
+///
+/// # Safety
+/// The CPU has AVX2; `slot` is a product of the matrix (its planes hold a word there).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weights<const KIND: u8>(w: &Lanes, slot: usize, raw: __m256i) -> (__m256i, __m256i) {
+    let m4 = _mm256_set1_epi8(0x0F);
+    let mut lo = _mm256_and_si256(raw, m4);
+    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+    if KIND == NIBBLES_AND_BITS || KIND == SIX_BITS {
+        // This product's word: the low nibbles' bits, then the high ones'.
+        // SAFETY: the caller's contract.
+        let planes = unsafe { *w.bits.as_ptr().add(slot) };
+        lo = _mm256_or_si256(lo, crate::fused::high_bits(planes as u32));
+        hi = _mm256_or_si256(hi, crate::fused::high_bits((planes >> 32) as u32));
+        if KIND == SIX_BITS {
+            // 0x10 doubled: the sixth bit.
+            // SAFETY: the caller's contract.
+            let planes = unsafe { *w.bits6.as_ptr().add(slot) };
+            let six = crate::fused::high_bits(planes as u32);
+            lo = _mm256_or_si256(lo, _mm256_add_epi8(six, six));
+            let six = crate::fused::high_bits((planes >> 32) as u32);
+            hi = _mm256_or_si256(hi, _mm256_add_epi8(six, six));
+        }
+    }
+    (lo, hi)
+}
+
+/// A group's lane scales, by which its integer sums become floats.
+enum GroupScales {
+    /// `w = d·u + c` per block (`c` none for Q8_0).
+    Plain { d: __m256, c: Option<__m256> },
+    /// Q6_K: `w = d·sc·(q − 32)` a half-block; the integer sums already hold `sc·Σq·x`,
+    /// and each half's offset is `−32·d·sc`.
+    Six { d: __m256, clo: __m256, chi: __m256 },
+}
+
+/// Group `g` (of `n` blocks) of row `row`'s [`GroupScales`].
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `row` and `g` are the matrix's.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group_scales<const KIND: u8>(w: &Lanes, row: usize, g: usize, n: usize) -> GroupScales {
+    // SAFETY: the caller's contract: the group's `n` scales (and offsets).
+    unsafe {
+        match &w.k {
+            Some(k) if KIND == SIX_BITS => {
+                let (lo, hi) = crate::lanes::k::narrow_scales6(k, row, g);
+                let minus32 = _mm256_set1_ps(-32.0);
+                GroupScales::Six {
+                    d: _mm256_set1_ps(crate::lanes::k::number(k, row, g, 0)),
+                    clo: _mm256_mul_ps(lo, minus32),
+                    chi: _mm256_mul_ps(hi, minus32),
+                }
+            }
+            Some(k) => {
+                let (d, c) = crate::lanes::k::narrow_scales(k, row, g);
+                GroupScales::Plain { d, c: Some(c) }
+            }
+            None => {
+                let (blocks, hpb) = (w.blocks, w.hpb);
+                let at = w.h.as_ptr().add(row * blocks * hpb + g * NARROW * hpb);
+                let d = halves(at, n);
+                // Q4_0's and Q5_0's offsets are fixed multiples of the scale (exact in f32).
+                let c = match w.ty {
+                    BlockType::Q4_1 => Some(halves(at.add(n), n)),
+                    BlockType::Q8_0 => None,
+                    BlockType::Q4_0 => Some(_mm256_mul_ps(d, _mm256_set1_ps(-8.0))),
+                    _ => Some(_mm256_mul_ps(d, _mm256_set1_ps(-16.0))),
+                };
+                GroupScales::Plain { d, c }
+            }
+        }
+    }
+}
+
+/// `acc` plus a group's share of one token: its integer sums `dots` scaled, and the
+/// offsets against the activations' block sums (at `xat`). Every kernel here ends a
+/// group by this, so a token's float steps do not depend on the pass it is in.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `xat` is a token's group in `x`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn add_group(
+    acc: __m256,
+    scales: &GroupScales,
+    dots: __m256i,
+    x: &LaneActs,
+    xat: usize,
+) -> __m256 {
+    // SAFETY: the caller's contract: `NARROW` values at `xat`.
+    unsafe {
+        let dx = _mm256_loadu_ps(x.d.as_ptr().add(xat));
+        match *scales {
+            GroupScales::Six { d, clo, chi } => {
+                let slo = _mm256_loadu_ps(x.sum_lo.as_ptr().add(xat));
+                let shi = _mm256_loadu_ps(x.sum_hi.as_ptr().add(xat));
+                let a = _mm256_fmadd_ps(clo, slo, acc);
+                let a = _mm256_fmadd_ps(chi, shi, a);
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, dx), a)
+            }
+            GroupScales::Plain { d, c } => {
+                let a = match c {
+                    Some(c) => _mm256_fmadd_ps(c, _mm256_loadu_ps(x.sum.as_ptr().add(xat)), acc),
+                    None => acc,
+                };
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(d, dx), a)
+            }
+        }
     }
 }
 
