@@ -126,7 +126,11 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
 ) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
+    let (blocks, groups, hpb) = (w.blocks, w.groups, w.hpb);
+    // Known from the kind, so the addresses and the prefetch distances below take no
+    // division and the prefetch loop unrolls (a lone token's pass divided for every row).
+    let qb = quant_bytes(KIND);
+    debug_assert_eq!(qb, w.qbytes);
     // Q4_0's and Q5_0's offsets are fixed multiples of the scale (exact in f32).
     // Products of 16-bit sums added before widening (see the module comment).
     // Vectors of 4 bytes a block in a group: 32 weights a byte or two a byte.
@@ -139,6 +143,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
     };
     // Q4_K's and Q6_K's scales: a record of 16 blocks' values holds two groups'.
     let ahead = AHEAD / (NARROW * qb);
+    let scales_ahead = AHEAD * hpb * 2 / qb;
     for g in 0..groups {
         let n = (blocks - g * NARROW).min(NARROW);
         // Lanes past a row's last block are not loaded (their activations are zero).
@@ -166,7 +171,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                 fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, ahead / 2));
             } else {
                 let at = (row * blocks + g * NARROW) * hpb * 2;
-                fetch(w.h.as_ptr() as *const u8, at + AHEAD * hpb * 2 / qb);
+                fetch(w.h.as_ptr() as *const u8, at + scales_ahead);
             }
             for plane in [&w.bits, &w.bits6] {
                 if !plane.is_empty() {
@@ -272,7 +277,11 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
 ) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
-    let (blocks, groups, qb, hpb) = (w.blocks, w.groups, w.qbytes, w.hpb);
+    let (blocks, groups, hpb) = (w.blocks, w.groups, w.hpb);
+    // Known from the kind, so the addresses and the prefetch distances below take no
+    // division and the prefetch loop unrolls (a lone token's pass divided for every row).
+    let qb = quant_bytes(KIND);
+    debug_assert_eq!(qb, w.qbytes);
     let vectors = if KIND == BYTES { 8 } else { 4 };
     let widen_every = match KIND {
         NIBBLES => 4,
@@ -410,6 +419,12 @@ unsafe fn weights<const KIND: u8>(w: &Lanes, slot: usize, raw: __m256i) -> (__m2
         }
     }
     (lo, hi)
+}
+
+/// Quant bytes a block of kind `kind` holds in the lane layout: 32 (a weight a byte) or
+/// 16 (two a byte).
+const fn quant_bytes(kind: u8) -> usize {
+    if kind == BYTES { 32 } else { 16 }
 }
 
 /// A group's lane scales, by which its integer sums become floats.
