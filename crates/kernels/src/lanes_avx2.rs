@@ -30,8 +30,9 @@ use std::arch::x86_64::*;
 use crate::BlockType;
 use crate::lanes::{BYTES, LaneActs, Lanes, NARROW, NIBBLES, NIBBLES_AND_BITS, SIX_BITS, fetch};
 
-/// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`
-/// ([`crate::lanes::pass_rows`] with this kernel).
+/// Rows `range` of `w` times every token of `x` into `out[tok * w.rows + row]`: a lone
+/// token by [`crate::lanes::pass_rows`] with [`dot`] (four rows a pass), a batch by
+/// [`dot_tokens`] (a row and up to 8 tokens a pass).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `x` was made from activations of `w`'s width in groups
