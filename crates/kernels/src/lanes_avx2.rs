@@ -127,24 +127,9 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
 ) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let (blocks, groups, hpb) = (w.blocks, w.groups, w.hpb);
-    // Known from the kind, so the addresses and the prefetch distances below take no
-    // division and the prefetch loop unrolls (a lone token's pass divided for every row).
-    let qb = quant_bytes(KIND);
+    let (blocks, groups) = (w.blocks, w.groups);
+    let (qb, vectors, widen_every) = (quant_bytes(KIND), vectors(KIND), widen_every(KIND));
     debug_assert_eq!(qb, w.qbytes);
-    // Q4_0's and Q5_0's offsets are fixed multiples of the scale (exact in f32).
-    // Products of 16-bit sums added before widening (see the module comment).
-    // Vectors of 4 bytes a block in a group: 32 weights a byte or two a byte.
-    let vectors = if KIND == BYTES { 8 } else { 4 };
-    debug_assert_eq!(vectors, qb / 4);
-    let widen_every = match KIND {
-        NIBBLES => 4,
-        NIBBLES_AND_BITS => 2,
-        _ => 1,
-    };
-    // Q4_K's and Q6_K's scales: a record of 16 blocks' values holds two groups'.
-    let ahead = AHEAD / (NARROW * qb);
-    let scales_ahead = AHEAD * hpb * 2 / qb;
     for g in 0..groups {
         let n = (blocks - g * NARROW).min(NARROW);
         // Lanes past a row's last block are not loaded (their activations are zero).
@@ -159,27 +144,7 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
             x.q.as_ptr().add(((first + t) * groups + g) * 32 * NARROW)
         });
         for &row in &rows {
-            // A decode step reads every weight once, from memory, and the loads come too
-            // late to hide its latency: fetch AHEAD bytes of quants ahead, and the scales
-            // and fifth bits as far ahead in rows (rows follow one another, so this runs on
-            // into the next pass's). Prefetching never faults: the address may lie past
-            // the end.
-            let at = row * blocks * qb + g * NARROW * qb;
-            for line in (0..NARROW * qb).step_by(64) {
-                fetch(w.q.as_ptr(), at + line + AHEAD);
-            }
-            if let Some(k) = &w.k {
-                fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, ahead / 2));
-            } else {
-                let at = (row * blocks + g * NARROW) * hpb * 2;
-                fetch(w.h.as_ptr() as *const u8, at + scales_ahead);
-            }
-            for plane in [&w.bits, &w.bits6] {
-                if !plane.is_empty() {
-                    let at = (row * groups + g + ahead) * 32;
-                    fetch(plane.as_ptr() as *const u8, at);
-                }
-            }
+            prefetch::<KIND>(w, row, g);
         }
         // Q6_K: each half's products widened at once, scaled by its 8-bit scale as they
         // are (`vpmaddwd`), into one sum a lane: no second set of sums to hold.
@@ -196,14 +161,8 @@ unsafe fn dot<const R: usize, const T: usize, const KIND: u8>(
                 // SAFETY: vector `v` of the group is `n * 4` bytes, loaded whole (a full
                 // group) or by the mask; activations hold 8 vectors of 32 bytes a group.
                 unsafe {
-                    let p =
-                        w.q.as_ptr()
-                            .add(rows[r] * blocks * qb + g * NARROW * qb + v * n * 4);
-                    let raw = if n == NARROW {
-                        _mm256_loadu_si256(p as *const __m256i)
-                    } else {
-                        _mm256_maskload_epi32(p as *const i32, mask)
-                    };
+                    let at = rows[r] * blocks * qb + g * NARROW * qb + v * n * 4;
+                    let raw = quants(w, at, n, mask);
                     if KIND != BYTES {
                         let (lo, hi) = weights::<KIND>(w, (rows[r] * groups + g) * 4 + v, raw);
                         for t in 0..T {
@@ -278,19 +237,9 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
 ) {
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
-    let (blocks, groups, hpb) = (w.blocks, w.groups, w.hpb);
-    // Known from the kind, so the addresses and the prefetch distances below take no
-    // division and the prefetch loop unrolls (a lone token's pass divided for every row).
-    let qb = quant_bytes(KIND);
+    let (blocks, groups) = (w.blocks, w.groups);
+    let (qb, vectors, widen_every) = (quant_bytes(KIND), vectors(KIND), widen_every(KIND));
     debug_assert_eq!(qb, w.qbytes);
-    let vectors = if KIND == BYTES { 8 } else { 4 };
-    let widen_every = match KIND {
-        NIBBLES => 4,
-        NIBBLES_AND_BITS => 2,
-        _ => 1,
-    };
-    let ahead = AHEAD / (NARROW * qb);
-    let scales_ahead = AHEAD * hpb * 2 / qb;
     let row_q = row * blocks * qb;
     // SAFETY: activations hold 32·NARROW bytes per token and group.
     let x_first = unsafe { x.q.as_ptr().add(first * groups * 32 * NARROW) };
@@ -301,24 +250,7 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
         );
         let at = row_q + g * NARROW * qb;
-        // As in [`dot`]: the quants AHEAD bytes ahead, the scales and bits as far ahead
-        // in rows.
-        for line in (0..NARROW * qb).step_by(64) {
-            fetch(w.q.as_ptr(), at + line + AHEAD);
-        }
-        if let Some(k) = &w.k {
-            fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, ahead / 2));
-        } else {
-            fetch(
-                w.h.as_ptr() as *const u8,
-                (row * blocks + g * NARROW) * hpb * 2 + scales_ahead,
-            );
-        }
-        for plane in [&w.bits, &w.bits6] {
-            if !plane.is_empty() {
-                fetch(plane.as_ptr() as *const u8, (row * groups + g + ahead) * 32);
-            }
-        }
+        prefetch::<KIND>(w, row, g);
         // SAFETY: token `t`'s group `g` (activations hold 32·NARROW bytes per token and
         // group).
         let xg = |t: usize| unsafe { x_first.add((t * groups + g) * 32 * NARROW) };
@@ -337,12 +269,7 @@ unsafe fn dot_tokens<const T: usize, const KIND: u8>(
             // or by the mask; activations hold 8 vectors of 32 bytes a group; the bit
             // planes hold a word a product.
             unsafe {
-                let p = w.q.as_ptr().add(at + v * n * 4);
-                let raw = if n == NARROW {
-                    _mm256_loadu_si256(p as *const __m256i)
-                } else {
-                    _mm256_maskload_epi32(p as *const i32, mask)
-                };
+                let raw = quants(w, at + v * n * 4, n, mask);
                 if KIND == BYTES {
                     let mag = _mm256_sign_epi8(raw, raw);
                     for (t, dot) in dots.iter_mut().enumerate() {
@@ -423,9 +350,73 @@ unsafe fn weights<const KIND: u8>(w: &Lanes, slot: usize, raw: __m256i) -> (__m2
 }
 
 /// Quant bytes a block of kind `kind` holds in the lane layout: 32 (a weight a byte) or
-/// 16 (two a byte).
+/// 16 (two a byte). Known from the kind, so the passes' addresses and prefetch distances
+/// take no division and the prefetch loop unrolls (a lone token's pass had divided by
+/// the matrix's own field for every row).
 const fn quant_bytes(kind: u8) -> usize {
     if kind == BYTES { 32 } else { 16 }
+}
+
+/// Products (vectors of 4 bytes a block) in a group of kind `kind`.
+const fn vectors(kind: u8) -> usize {
+    quant_bytes(kind) / 4
+}
+
+/// Products whose 16-bit sums are added before one widening (see the module comment).
+const fn widen_every(kind: u8) -> usize {
+    match kind {
+        NIBBLES => 4,
+        NIBBLES_AND_BITS => 2,
+        _ => 1,
+    }
+}
+
+/// Prefetches what row `row` reads a stretch past group `g`. A decode step reads every
+/// weight once, from memory, and the loads come too late to hide its latency: the
+/// quants AHEAD bytes ahead, and the scales (Q4_K's and Q6_K's records of two groups)
+/// and bit planes as far ahead in rows (rows follow one another, so this runs on into
+/// the next rows'). Prefetching never faults: the address may lie past the end.
+#[inline]
+fn prefetch<const KIND: u8>(w: &Lanes, row: usize, g: usize) {
+    let qb = quant_bytes(KIND);
+    let ahead = AHEAD / (NARROW * qb);
+    let at = (row * w.blocks + g * NARROW) * qb;
+    for line in (0..NARROW * qb).step_by(64) {
+        fetch(w.q.as_ptr(), at + line + AHEAD);
+    }
+    if let Some(k) = &w.k {
+        fetch(k.meta_ptr(), k.meta_ahead(row, g / 2, ahead / 2));
+    } else {
+        let at = (row * w.blocks + g * NARROW) * w.hpb * 2;
+        fetch(w.h.as_ptr() as *const u8, at + AHEAD * w.hpb * 2 / qb);
+    }
+    for plane in [&w.bits, &w.bits6] {
+        if !plane.is_empty() {
+            fetch(
+                plane.as_ptr() as *const u8,
+                (row * w.groups + g + ahead) * 32,
+            );
+        }
+    }
+}
+
+/// One product's quant bytes at `at` in the matrix: 32 of a full group, or the `n · 4`
+/// the mask selects of a partial one.
+///
+/// # Safety
+/// The CPU has AVX2; the group's `n · 4` bytes from `at` are the matrix's.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quants(w: &Lanes, at: usize, n: usize, mask: __m256i) -> __m256i {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let p = w.q.as_ptr().add(at);
+        if n == NARROW {
+            _mm256_loadu_si256(p as *const __m256i)
+        } else {
+            _mm256_maskload_epi32(p as *const i32, mask)
+        }
+    }
 }
 
 /// A group's lane scales, by which its integer sums become floats.
